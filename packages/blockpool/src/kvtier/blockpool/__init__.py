@@ -1,0 +1,57 @@
+"""kvtier-blockpool: the host block pool behind kvtier's KV-cache offload.
+
+No vLLM import anywhere in this package: it is plain Python and torch.
+"""
+
+from kvtier.blockpool.__about__ import __version__
+from kvtier.blockpool.allocator import RunAllocator
+from kvtier.blockpool.budget import (
+    PER_RANK_KEY,
+    TOTAL_KEY,
+    HostBudget,
+    require_positive_int,
+    resolve_budget,
+    resolve_bytes_per_rank,
+    round_up,
+)
+from kvtier.blockpool.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from kvtier.blockpool.pool import (
+    ALLOCATION_BUCKETS,
+    CacheEvent,
+    HostBlockPool,
+    PoolStats,
+    StoreAdmissionFilter,
+    StorePlan,
+)
+from kvtier.blockpool.region import (
+    HostRegion,
+    InsufficientSharedMemoryError,
+    cleanup_stale_regions,
+    shm_free_bytes,
+)
+
+__all__ = [
+    "ALLOCATION_BUCKETS",
+    "ARCPolicy",
+    "PER_RANK_KEY",
+    "TOTAL_KEY",
+    "CacheEvent",
+    "EvictionPolicy",
+    "HostBlockPool",
+    "HostBudget",
+    "HostRegion",
+    "InsufficientSharedMemoryError",
+    "LRUPolicy",
+    "PoolStats",
+    "RunAllocator",
+    "StoreAdmissionFilter",
+    "StorePlan",
+    "__version__",
+    "cleanup_stale_regions",
+    "make_policy",
+    "require_positive_int",
+    "resolve_budget",
+    "resolve_bytes_per_rank",
+    "round_up",
+    "shm_free_bytes",
+]

@@ -1,0 +1,114 @@
+"""Free-block bookkeeping that hands out contiguous runs of block ids.
+
+Copies of consecutive host blocks coalesce into one DMA, so the allocator keeps
+free blocks as maximal runs ``[start, end)`` and serves a request of ``n`` blocks
+from one run of at least ``n`` when there is one. Runs are bucketed by
+``floor(log2(length))``; a bit mask of non-empty buckets finds a big-enough run in
+O(1). Freed blocks merge with their neighbours at once, so fragmentation heals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class RunAllocator:
+    """Allocate and free host block ids ``0 .. num_blocks-1`` in contiguous runs."""
+
+    __slots__ = ("_buckets", "_by_end", "_by_start", "_mask", "num_blocks", "num_free")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.num_free = 0
+        self._by_start: dict[int, int] = {}  # start -> end (exclusive)
+        self._by_end: dict[int, int] = {}  # end (exclusive) -> start
+        self._buckets: list[set[int]] = [set() for _ in range(max(1, num_blocks).bit_length())]
+        self._mask = 0  # bit k set <=> bucket k holds a run
+        if num_blocks > 0:
+            self._add_run(0, num_blocks)
+            self.num_free = num_blocks
+
+    def _add_run(self, start: int, end: int) -> None:
+        self._by_start[start] = end
+        self._by_end[end] = start
+        k = (end - start).bit_length() - 1
+        self._buckets[k].add(start)
+        self._mask |= 1 << k
+
+    def _drop_run(self, start: int, end: int) -> None:
+        del self._by_start[start]
+        del self._by_end[end]
+        k = (end - start).bit_length() - 1
+        bucket = self._buckets[k]
+        bucket.discard(start)
+        if not bucket:
+            self._mask &= ~(1 << k)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free blocks, as few runs as possible. Caller checks ``num_free``."""
+        if n > self.num_free:
+            raise ValueError(f"asked for {n} blocks, {self.num_free} free")
+        out: list[int] = []
+        while n > 0:
+            start, end = self._find(n)
+            take = min(n, end - start)
+            self._drop_run(start, end)
+            if take < end - start:
+                self._add_run(start + take, end)
+            out.extend(range(start, start + take))
+            n -= take
+        self.num_free -= len(out)
+        return out
+
+    def _find(self, n: int) -> tuple[int, int]:
+        """A run of >= n blocks if one exists, else the longest run."""
+        k = n.bit_length() - 1
+        # Bucket k holds lengths [2^k, 2^(k+1)); it fits n for sure only if n == 2^k.
+        first = k if n == 1 << k else k + 1
+        mask = self._mask >> first
+        if mask:
+            b = first + (mask & -mask).bit_length() - 1
+            start = next(iter(self._buckets[b]))
+            return start, self._by_start[start]
+        if n != 1 << k and self._mask >> k & 1:
+            for start in self._buckets[k]:
+                end = self._by_start[start]
+                if end - start >= n:
+                    return start, end
+        b = self._mask.bit_length() - 1  # longest bucket: split across runs
+        start = max(self._buckets[b], key=lambda s: self._by_start[s] - s)
+        return start, self._by_start[start]
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Return blocks; neighbouring free runs merge."""
+        ids = sorted(block_ids)
+        i = 0
+        count = len(ids)
+        while i < count:
+            start = ids[i]
+            end = start + 1
+            i += 1
+            while i < count and ids[i] == end:
+                end += 1
+                i += 1
+            self._free_run(start, end)
+        self.num_free += count
+
+    def free_one(self, block_id: int) -> None:
+        self._free_run(block_id, block_id + 1)
+        self.num_free += 1
+
+    def _free_run(self, start: int, end: int) -> None:
+        left = self._by_end.get(start)
+        if left is not None:
+            self._drop_run(left, start)
+            start = left
+        right = self._by_start.get(end)
+        if right is not None:
+            self._drop_run(end, right)
+            end = right
+        self._add_run(start, end)
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Free runs as sorted ``(start, end)`` pairs (for tests and stats)."""
+        return sorted(self._by_start.items())

@@ -1,0 +1,479 @@
+"""The host block pool: a fixed set of host blocks, a keyed cache over them, and
+blocks owned by requests, all drawn from one capacity.
+
+Every block is in exactly one state:
+
+* ``FREE``: in the allocator;
+* ``STORING``: given out by ``prepare_store``, its bytes are being written;
+  not findable by ``lookup`` and never evicted until ``complete_store``;
+* ``CACHED``: holds the bytes of its key; evictable unless pinned;
+* ``OWNED``: held by a request (``allocate_owned``), outside the keyed cache.
+
+So ``free + storing + cached + owned == capacity`` at all times. A block is
+*pinned* while a transfer reads it (``prepare_load`` .. ``complete_load``, or
+``pin(..., write=False)``) or writes it (``STORING``, or ``pin(..., write=True)``);
+a pinned block is never evicted and never handed out again.
+
+Keys are any hashable values (vLLM's block hashes are ``bytes``). Units: blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from kvtier.blockpool.allocator import RunAllocator
+from kvtier.blockpool.budget import require_positive_int
+from kvtier.blockpool.policies import EvictionPolicy, make_policy
+
+FREE, STORING, CACHED, OWNED = 0, 1, 2, 3
+STATE_NAMES = ("free", "storing", "cached", "owned")
+
+# Upper bounds of the blocks-per-store histogram (powers of 4), then +Inf.
+ALLOCATION_BUCKETS: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class StorePlan(NamedTuple):
+    """What ``prepare_store`` decided.
+
+    Attributes:
+        keys: the keys to write, in request order (already-present and filtered keys dropped).
+        block_ids: host block for each of ``keys``; write them, then ``complete_store(keys)``.
+        evicted: keys evicted to make room (their blocks are reused).
+    """
+
+    keys: list[Any]
+    block_ids: list[int]
+    evicted: list[Any]
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """Keys that entered (``stored``) or left (``removed``) the keyed cache."""
+
+    kind: str  # "stored" | "removed"
+    keys: tuple[Any, ...]
+
+
+@dataclass
+class PoolStats:
+    """A snapshot of the pool. Fractions are of the pool's capacity in blocks."""
+
+    capacity: int
+    free: int
+    storing: int
+    cached: int
+    owned: int
+    read_pinned: int
+    write_pinned: int
+    stores_skipped: int
+    allocation_histogram: list[int] = field(default_factory=list)
+
+    @property
+    def usage(self) -> float:
+        return (self.capacity - self.free) / self.capacity if self.capacity else 0.0
+
+    @property
+    def read_usage(self) -> float:
+        return self.read_pinned / self.capacity if self.capacity else 0.0
+
+    @property
+    def write_usage(self) -> float:
+        return self.write_pinned / self.capacity if self.capacity else 0.0
+
+
+class StoreAdmissionFilter:
+    """Admit a key for storing only once ``lookup`` has seen it ``threshold`` times.
+
+    Counts live in an LRU table of at most ``max_tracker_size`` keys, so the
+    tracker's memory is bounded whatever the traffic. A threshold below 2 disables it.
+    """
+
+    __slots__ = ("_counts", "max_tracker_size", "threshold")
+
+    def __init__(self, threshold: int, max_tracker_size: int) -> None:
+        self.threshold = threshold
+        self.max_tracker_size = max_tracker_size
+        self._counts: OrderedDict[Hashable, int] = OrderedDict()
+
+    def record(self, keys: Sequence[Hashable]) -> None:
+        counts = self._counts
+        for key in keys:
+            n = counts.pop(key, 0)
+            counts[key] = n + 1
+        while len(counts) > self.max_tracker_size:
+            counts.popitem(last=False)
+
+    def admits(self, key: Hashable) -> bool:
+        return self._counts.get(key, 0) >= self.threshold
+
+    def forget(self, key: Hashable) -> None:
+        self._counts.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+
+class HostBlockPool:
+    """A fixed set of ``num_blocks`` host blocks with a keyed cache and request-owned blocks.
+
+    Args:
+        num_blocks: capacity in blocks (see ``resolve_budget``).
+        eviction_policy: ``"lru"`` or ``"arc"``.
+        cache_policy_module_path: ``"pkg.module:Class"`` of a custom policy (overrides the name).
+        store_threshold: lookups a key needs before it may be stored; below 2 disables it.
+        max_tracker_size: keys the admission filter remembers.
+        enable_events: record ``CacheEvent``s for ``take_events``.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        eviction_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64_000,
+        enable_events: bool = False,
+    ) -> None:
+        self.num_blocks = require_positive_int("num_blocks", num_blocks)
+        store_threshold = require_positive_int("store_threshold", store_threshold, allow_zero=True)
+        max_tracker_size = require_positive_int("max_tracker_size", max_tracker_size)
+        self.policy: EvictionPolicy = make_policy(
+            eviction_policy, self.num_blocks, cache_policy_module_path
+        )
+        self._alloc = RunAllocator(self.num_blocks)
+        self._key_block: dict[Any, int] = {}  # key -> block (STORING or CACHED)
+        self._block_key: list[Any] = [None] * self.num_blocks
+        self._state = bytearray(self.num_blocks)
+        self._read_pins = [0] * self.num_blocks
+        self._write_pins = [0] * self.num_blocks
+        self._owned: dict[Hashable, list[int]] = {}
+        self._num_storing = 0
+        self._num_owned = 0
+        self._num_read_pinned = 0
+        self._num_write_pinned = 0  # owned blocks pinned for write (STORING counted apart)
+        self.stores_skipped = 0
+        self.filter = (
+            StoreAdmissionFilter(store_threshold, max_tracker_size) if store_threshold >= 2 else None
+        )
+        self._histogram = [0] * (len(ALLOCATION_BUCKETS) + 1)
+        self.enable_events = enable_events
+        self._events: list[CacheEvent] = []
+
+    # ------------------------------------------------------------------ keyed cache
+
+    def lookup(self, keys: Sequence[Hashable]) -> int:
+        """Number of leading ``keys`` whose blocks are cached and readable now."""
+        if self.filter is not None:
+            self.filter.record(keys)
+        key_block = self._key_block
+        state = self._state
+        hits = 0
+        for key in keys:
+            block = key_block.get(key)
+            if block is None or state[block] != CACHED:
+                break
+            hits += 1
+        return hits
+
+    def contains(self, key: Hashable) -> bool:
+        """Whether ``key`` is cached and readable (no side effects on order or filter)."""
+        block = self._key_block.get(key)
+        return block is not None and self._state[block] == CACHED
+
+    def is_storing(self, key: Hashable) -> bool:
+        block = self._key_block.get(key)
+        return block is not None and self._state[block] == STORING
+
+    def prepare_store(self, keys: Sequence[Hashable]) -> StorePlan | None:
+        """Reserve blocks for the ``keys`` not yet present and admitted by the filter.
+
+        Evicts unpinned cached keys (never one of ``keys``) when free blocks are
+        short. Returns ``None``, changing nothing, when room cannot be made.
+        """
+        key_block = self._key_block
+        new_keys = [k for k in keys if k not in key_block]
+        flt = self.filter
+        if flt is not None and new_keys:
+            admitted = [k for k in new_keys if flt.admits(k)]
+            self.stores_skipped += len(new_keys) - len(admitted)
+            new_keys = admitted
+        n = len(new_keys)
+        evicted: list[Any] = []
+        if n > self._alloc.num_free:
+            need = n - self._alloc.num_free
+            protected = set(keys) if len(keys) > 1 else None
+            victims = self.policy.evict(need, self._evictable_except(protected))
+            if victims is None:
+                return None
+            for key in victims:
+                self._drop_cached(key)
+            evicted = victims
+            if self.enable_events:
+                self._events.append(CacheEvent("removed", tuple(victims)))
+        blocks = self._alloc.allocate(n) if n else []
+        state = self._state
+        block_key = self._block_key
+        insert = self.policy.insert
+        for key, block in zip(new_keys, blocks):
+            key_block[key] = block
+            block_key[block] = key
+            state[block] = STORING
+            insert(key)
+        self._num_storing += n
+        self._record_allocation(n)
+        return StorePlan(new_keys, blocks, evicted)
+
+    def _evictable_except(self, protected: set[Hashable] | None) -> Any:
+        key_block = self._key_block
+        state = self._state
+        pins = self._read_pins
+        if protected:
+
+            def evictable(key: Hashable) -> bool:
+                b = key_block[key]
+                return state[b] == CACHED and not pins[b] and key not in protected
+
+        else:
+
+            def evictable(key: Hashable) -> bool:
+                b = key_block[key]
+                return state[b] == CACHED and not pins[b]
+
+        return evictable
+
+    def _drop_cached(self, key: Hashable) -> None:
+        block = self._key_block.pop(key)
+        self._block_key[block] = None
+        self._state[block] = FREE
+        self._alloc.free_one(block)
+
+    def _record_allocation(self, n: int) -> None:
+        if n <= 0:
+            return
+        for i, bound in enumerate(ALLOCATION_BUCKETS):
+            if n <= bound:
+                self._histogram[i] += 1
+                return
+        self._histogram[-1] += 1
+
+    def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> None:
+        """Finish a store: the blocks become readable, or on failure are freed."""
+        key_block = self._key_block
+        state = self._state
+        done: list[Hashable] = []
+        for key in keys:
+            block = key_block.get(key)
+            if block is None or state[block] != STORING:
+                continue
+            if success:
+                state[block] = CACHED
+            else:
+                del key_block[key]
+                self._block_key[block] = None
+                state[block] = FREE
+                self.policy.remove(key)
+                self._alloc.free_one(block)
+            done.append(key)
+        self._num_storing -= len(done)
+        if success and done and self.enable_events:
+            self._events.append(CacheEvent("stored", tuple(done)))
+
+    def prepare_load(self, keys: Sequence[Hashable]) -> list[int]:
+        """Pin the blocks of cached ``keys`` for reading and return them, in order.
+
+        Raises ``KeyError`` (pinning nothing) if a key is not cached.
+        """
+        key_block = self._key_block
+        state = self._state
+        blocks = [key_block[k] for k in keys]
+        for key, block in zip(keys, blocks):
+            if state[block] != CACHED:
+                raise KeyError(f"key {key!r} is being stored; it cannot be loaded yet")
+        pins = self._read_pins
+        for block in blocks:
+            if not pins[block]:
+                self._num_read_pinned += 1
+            pins[block] += 1
+        return blocks
+
+    def complete_load(self, keys: Sequence[Hashable]) -> None:
+        """Unpin the blocks that ``prepare_load`` pinned for ``keys``."""
+        key_block = self._key_block
+        pins = self._read_pins
+        for key in keys:
+            block = key_block[key]
+            if pins[block] <= 0:
+                raise RuntimeError(f"complete_load for key {key!r} without prepare_load")
+            pins[block] -= 1
+            if not pins[block]:
+                self._num_read_pinned -= 1
+
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        """Mark ``keys`` used. The first key ends up the most recently used: a
+        prefix's first blocks are shared by the most requests."""
+        key_block = self._key_block
+        access = self.policy.access
+        for key in reversed(keys):
+            if key in key_block:
+                access(key)
+
+    def evict_all(self) -> list[Hashable]:
+        """Evict every unpinned cached key (for a reset); returns them."""
+        keys = [
+            k
+            for k, b in self._key_block.items()
+            if self._state[b] == CACHED and not self._read_pins[b]
+        ]
+        for key in keys:
+            self.policy.remove(key)
+            self._drop_cached(key)
+        if keys and self.enable_events:
+            self._events.append(CacheEvent("removed", tuple(keys)))
+        return keys
+
+    # ------------------------------------------------------------------ owned blocks
+
+    def allocate_owned(self, owner: Hashable, n: int, *, evict: bool = True) -> list[int] | None:
+        """Give ``owner`` ``n`` more blocks outside the keyed cache.
+
+        Evicts unpinned cached keys if ``evict`` and blocks are short. Returns
+        ``None``, changing nothing, when there is no room.
+        """
+        if n <= 0:
+            return []
+        evicted: list[Any] | None = []
+        if n > self._alloc.num_free:
+            if not evict:
+                return None
+            evicted = self.policy.evict(n - self._alloc.num_free, self._evictable_except(None))
+            if evicted is None:
+                return None
+            for key in evicted:
+                self._drop_cached(key)
+            if self.enable_events and evicted:
+                self._events.append(CacheEvent("removed", tuple(evicted)))
+        blocks = self._alloc.allocate(n)
+        state = self._state
+        for block in blocks:
+            state[block] = OWNED
+        self._owned.setdefault(owner, []).extend(blocks)
+        self._num_owned += n
+        return blocks
+
+    def owned_blocks(self, owner: Hashable) -> list[int]:
+        return list(self._owned.get(owner, ()))
+
+    def owners(self) -> list[Hashable]:
+        return list(self._owned)
+
+    def free_owned(self, owner: Hashable) -> int:
+        """Return all of ``owner``'s blocks to the free set. Returns how many.
+
+        Raises ``RuntimeError`` if one is still pinned by a transfer.
+        """
+        blocks = self._owned.get(owner)
+        if not blocks:
+            self._owned.pop(owner, None)
+            return 0
+        if any(self._read_pins[b] or self._write_pins[b] for b in blocks):
+            raise RuntimeError(f"owner {owner!r} has blocks pinned by a transfer in flight")
+        del self._owned[owner]
+        for block in blocks:
+            self._state[block] = FREE
+        self._alloc.free(blocks)
+        self._num_owned -= len(blocks)
+        return len(blocks)
+
+    def pin(self, block_ids: Sequence[int], *, write: bool) -> None:
+        """Pin owned or cached blocks for a transfer (``write``: the transfer fills them)."""
+        pins = self._write_pins if write else self._read_pins
+        for block in block_ids:
+            if self._state[block] == FREE:
+                raise ValueError(f"block {block} is free; only allocated blocks can be pinned")
+            if not pins[block]:
+                if write:
+                    self._num_write_pinned += 1
+                else:
+                    self._num_read_pinned += 1
+            pins[block] += 1
+
+    def unpin(self, block_ids: Sequence[int], *, write: bool) -> None:
+        pins = self._write_pins if write else self._read_pins
+        for block in block_ids:
+            if pins[block] <= 0:
+                raise RuntimeError(f"block {block} unpinned more often than pinned")
+            pins[block] -= 1
+            if not pins[block]:
+                if write:
+                    self._num_write_pinned -= 1
+                else:
+                    self._num_read_pinned -= 1
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def num_free(self) -> int:
+        return self._alloc.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_block) - self._num_storing
+
+    def block_of(self, key: Hashable) -> int | None:
+        return self._key_block.get(key)
+
+    def state_of(self, block: int) -> str:
+        return STATE_NAMES[self._state[block]]
+
+    def is_pinned(self, block: int) -> bool:
+        return bool(self._read_pins[block] or self._write_pins[block] or self._state[block] == STORING)
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        return self._alloc.runs()
+
+    def take_events(self) -> list[CacheEvent]:
+        """Cache events since the last call (empty unless ``enable_events``)."""
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            capacity=self.num_blocks,
+            free=self._alloc.num_free,
+            storing=self._num_storing,
+            cached=self.num_cached,
+            owned=self._num_owned,
+            read_pinned=self._num_read_pinned,
+            write_pinned=self._num_storing + self._num_write_pinned,
+            stores_skipped=self.stores_skipped,
+            allocation_histogram=list(self._histogram),
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the bookkeeping is inconsistent (for tests)."""
+        counts = [0, 0, 0, 0]
+        for s in self._state:
+            counts[s] += 1
+        assert counts[FREE] == self._alloc.num_free, "free count differs from allocator"
+        assert counts[STORING] == self._num_storing, "storing count drifted"
+        assert counts[OWNED] == self._num_owned, "owned count drifted"
+        assert sum(counts) == self.num_blocks
+        free_ids = [b for s, e in self._alloc.runs() for b in range(s, e)]
+        assert len(free_ids) == len(set(free_ids)) == counts[FREE], "free runs overlap"
+        assert all(self._state[b] == FREE for b in free_ids), "a free-run block is in use"
+        owned = [b for blocks in self._owned.values() for b in blocks]
+        assert len(owned) == len(set(owned)) == counts[OWNED], "a block is owned twice"
+        assert all(self._state[b] == OWNED for b in owned)
+        seen: set[int] = set()
+        for key, block in self._key_block.items():
+            assert block not in seen, f"block {block} holds two keys"
+            seen.add(block)
+            assert self._block_key[block] == key
+            assert self._state[block] in (STORING, CACHED)
+        assert len(seen) == counts[STORING] + counts[CACHED]
+        assert self._num_read_pinned == sum(1 for p in self._read_pins if p)
+        assert self._num_write_pinned == sum(1 for p in self._write_pins if p)
