@@ -1,8 +1,8 @@
 """Eviction policies for the keyed part of the host block pool.
 
 A policy only orders keys; the pool owns blocks, pins and states. The pool tells
-the policy when a key enters the cache (``insert``), is used again (``access``) or
-leaves it other than by eviction (``remove``), and asks it for victims with
+the policy when keys enter the cache (``insert``), are used again (``touch``) or
+leave it other than by eviction (``remove``), and asks it for victims with
 ``evict``, passing a predicate that says whether a key may go now (pinned and
 unfinished blocks may not). A policy must not evict a key the predicate refuses.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
 Key = Hashable
@@ -22,13 +22,17 @@ Key = Hashable
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
-    """What the pool needs from an eviction policy."""
+    """What the pool needs from an eviction policy.
 
-    def insert(self, key: Key) -> None:
-        """``key`` was added to the cache (it is the most recently used now)."""
+    Methods take whole batches so that a call costs one Python call, not one per key.
+    """
 
-    def access(self, key: Key) -> None:
-        """``key`` was used again: a hit, a load or a touch."""
+    def insert(self, keys: Sequence[Key]) -> None:
+        """``keys`` were added to the cache, in this order (the last is the newest)."""
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """``keys`` were used again. The *first* key ends up the most recently used
+        (a prefix's head is shared by the most requests). Unknown keys are ignored."""
 
     def remove(self, key: Key) -> None:
         """``key`` left the cache other than by ``evict`` (a failed store, a clear)."""
@@ -42,18 +46,24 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
-    """Least recently used first. Inserts and accesses make a key the newest."""
+    """Least recently used first. Inserts and touches make a key the newest."""
 
     name = "lru"
 
     def __init__(self, capacity: int) -> None:
         self._order: OrderedDict[Key, None] = OrderedDict()
 
-    def insert(self, key: Key) -> None:
-        self._order[key] = None
+    def insert(self, keys: Sequence[Key]) -> None:
+        order = self._order
+        for key in keys:
+            order[key] = None
 
-    def access(self, key: Key) -> None:
-        self._order.move_to_end(key)
+    def touch(self, keys: Sequence[Key]) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in reversed(keys):
+            if key in order:
+                move(key)
 
     def remove(self, key: Key) -> None:
         del self._order[key]
@@ -100,28 +110,30 @@ class ARCPolicy:
         self.b1: OrderedDict[Key, None] = OrderedDict()
         self.b2: OrderedDict[Key, None] = OrderedDict()
 
-    def insert(self, key: Key) -> None:
-        c = self.capacity
-        if key in self.b1:
-            self.p = min(float(c), self.p + max(1.0, len(self.b2) / len(self.b1)))
-            del self.b1[key]
-            self.t2[key] = None
-            return
-        if key in self.b2:
-            self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
-            del self.b2[key]
-            self.t2[key] = None
-            return
-        self.t1[key] = None
-        self._trim_ghosts()
+    def insert(self, keys: Sequence[Key]) -> None:
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        for key in keys:
+            if b1 and key in b1:
+                self.p = min(float(self.capacity), self.p + max(1.0, len(b2) / len(b1)))
+                del b1[key]
+                t2[key] = None
+            elif b2 and key in b2:
+                self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
+                del b2[key]
+                t2[key] = None
+            else:
+                t1[key] = None
+        if b1 or b2:
+            self._trim_ghosts()
 
-    def access(self, key: Key) -> None:
-        t1 = self.t1
-        if key in t1:
-            del t1[key]
-            self.t2[key] = None
-        else:
-            self.t2.move_to_end(key)
+    def touch(self, keys: Sequence[Key]) -> None:
+        t1, t2 = self.t1, self.t2
+        for key in reversed(keys):
+            if key in t1:
+                del t1[key]
+                t2[key] = None
+            elif key in t2:
+                t2.move_to_end(key)
 
     def remove(self, key: Key) -> None:
         if self.t1.pop(key, 0) is None:
@@ -212,8 +224,15 @@ def make_policy(name: str, capacity: int, module_path: str | None = None) -> Evi
                 f"(or set cache_policy_module_path), got {name!r}"
             )
         cls = POLICIES[name.lower()]
-    policy = cls(capacity)
-    missing = [m for m in ("insert", "access", "remove", "evict") if not callable(getattr(policy, m, None))]
+    try:
+        policy = cls(capacity)
+    except Exception as exc:
+        raise ValueError(
+            f"cache_policy_module_path={module_path!r}: {cls.__name__}(capacity) failed: {exc}"
+        ) from exc
+    missing = [
+        m for m in ("insert", "touch", "remove", "evict") if not callable(getattr(policy, m, None))
+    ]
     if missing:
         raise ValueError(
             f"cache_policy_module_path={module_path!r}: class lacks method(s) {missing}"
@@ -221,5 +240,3 @@ def make_policy(name: str, capacity: int, module_path: str | None = None) -> Evi
     return policy  # type: ignore[no-any-return]
 
 
-def iter_keys(keys: Iterable[Key]) -> list[Key]:
-    return keys if isinstance(keys, list) else list(keys)

@@ -31,7 +31,8 @@ from kvtier.blockpool.policies import EvictionPolicy, make_policy
 FREE, STORING, CACHED, OWNED = 0, 1, 2, 3
 STATE_NAMES = ("free", "storing", "cached", "owned")
 
-# Upper bounds of the blocks-per-store histogram (powers of 4), then +Inf.
+# Upper bounds of the blocks-per-store histogram (powers of 4), then +Inf. A store of n
+# blocks falls in bucket ceil(log4(n)).
 ALLOCATION_BUCKETS: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 
@@ -145,13 +146,15 @@ class HostBlockPool:
             eviction_policy, self.num_blocks, cache_policy_module_path
         )
         self._alloc = RunAllocator(self.num_blocks)
-        self._key_block: dict[Any, int] = {}  # key -> block (STORING or CACHED)
+        # Readable keys and keys being written live in separate maps, so a lookup is
+        # one membership test per key.
+        self._cached: dict[Any, int] = {}  # key -> block, state CACHED
+        self._storing: dict[Any, int] = {}  # key -> block, state STORING
         self._block_key: list[Any] = [None] * self.num_blocks
         self._state = bytearray(self.num_blocks)
         self._read_pins = [0] * self.num_blocks
         self._write_pins = [0] * self.num_blocks
         self._owned: dict[Hashable, list[int]] = {}
-        self._num_storing = 0
         self._num_owned = 0
         self._num_read_pinned = 0
         self._num_write_pinned = 0  # owned blocks pinned for write (STORING counted apart)
@@ -162,6 +165,15 @@ class HostBlockPool:
         self._histogram = [0] * (len(ALLOCATION_BUCKETS) + 1)
         self.enable_events = enable_events
         self._events: list[CacheEvent] = []
+        cached, pins = self._cached, self._read_pins
+
+        def evictable(key: Hashable) -> bool:
+            # The policy only knows keys that are storing or cached; storing ones
+            # are not in ``cached`` and so are refused.
+            block = cached.get(key)
+            return block is not None and not pins[block]
+
+        self._evictable = evictable
 
     # ------------------------------------------------------------------ keyed cache
 
@@ -169,24 +181,20 @@ class HostBlockPool:
         """Number of leading ``keys`` whose blocks are cached and readable now."""
         if self.filter is not None:
             self.filter.record(keys)
-        key_block = self._key_block
-        state = self._state
+        cached = self._cached
         hits = 0
         for key in keys:
-            block = key_block.get(key)
-            if block is None or state[block] != CACHED:
-                break
+            if key not in cached:
+                return hits
             hits += 1
         return hits
 
     def contains(self, key: Hashable) -> bool:
         """Whether ``key`` is cached and readable (no side effects on order or filter)."""
-        block = self._key_block.get(key)
-        return block is not None and self._state[block] == CACHED
+        return key in self._cached
 
     def is_storing(self, key: Hashable) -> bool:
-        block = self._key_block.get(key)
-        return block is not None and self._state[block] == STORING
+        return key in self._storing
 
     def prepare_store(self, keys: Sequence[Hashable]) -> StorePlan | None:
         """Reserve blocks for the ``keys`` not yet present and admitted by the filter.
@@ -194,143 +202,139 @@ class HostBlockPool:
         Evicts unpinned cached keys (never one of ``keys``) when free blocks are
         short. Returns ``None``, changing nothing, when room cannot be made.
         """
-        key_block = self._key_block
-        new_keys = [k for k in keys if k not in key_block]
+        cached, storing = self._cached, self._storing
+        new_keys = [k for k in keys if k not in cached and k not in storing]
         flt = self.filter
         if flt is not None and new_keys:
             admitted = [k for k in new_keys if flt.admits(k)]
             self.stores_skipped += len(new_keys) - len(admitted)
             new_keys = admitted
         n = len(new_keys)
+        if not n:
+            return StorePlan(new_keys, [], [])
+        alloc = self._alloc
         evicted: list[Any] = []
-        if n > self._alloc.num_free:
-            need = n - self._alloc.num_free
-            protected = set(keys) if len(keys) > 1 else None
-            victims = self.policy.evict(need, self._evictable_except(protected))
+        if n > alloc.num_free:
+            victims = self._evict(n - alloc.num_free, keys)
             if victims is None:
                 return None
-            for key in victims:
-                self._drop_cached(key)
-            evicted = victims
-            if self.enable_events:
-                self._events.append(CacheEvent("removed", tuple(victims)))
-        blocks = self._alloc.allocate(n) if n else []
-        state = self._state
-        block_key = self._block_key
-        insert = self.policy.insert
+            evicted, reused = victims
+            blocks = alloc.allocate(n - len(reused)) + reused if len(reused) < n else reused
+        else:
+            blocks = alloc.allocate(n)
+        state, block_key = self._state, self._block_key
         for key, block in zip(new_keys, blocks):
-            key_block[key] = block
+            storing[key] = block
             block_key[block] = key
             state[block] = STORING
-            insert(key)
-        self._num_storing += n
-        self._record_allocation(n)
+        self.policy.insert(new_keys)
+        self._histogram[min(((n - 1).bit_length() + 1) >> 1, len(ALLOCATION_BUCKETS))] += 1
         return StorePlan(new_keys, blocks, evicted)
 
-    def _evictable_except(self, protected: set[Hashable] | None) -> Any:
-        key_block = self._key_block
-        state = self._state
-        pins = self._read_pins
+    def _evict(
+        self, n: int, request_keys: Sequence[Hashable] = ()
+    ) -> tuple[list[Any], list[int]] | None:
+        """Evict ``n`` unpinned cached keys, never one of ``request_keys``.
+
+        Returns the victims and their blocks (now FREE-to-reuse, not in the
+        allocator), or ``None`` with nothing changed.
+        """
+        cached = self._cached
+        protected = {k for k in request_keys if k in cached}
         if protected:
+            pins = self._read_pins
 
             def evictable(key: Hashable) -> bool:
-                b = key_block[key]
-                return state[b] == CACHED and not pins[b] and key not in protected
+                block = cached.get(key)
+                return block is not None and not pins[block] and key not in protected
 
+            victims = self.policy.evict(n, evictable)
         else:
-
-            def evictable(key: Hashable) -> bool:
-                b = key_block[key]
-                return state[b] == CACHED and not pins[b]
-
-        return evictable
-
-    def _drop_cached(self, key: Hashable) -> None:
-        block = self._key_block.pop(key)
-        self._block_key[block] = None
-        self._state[block] = FREE
-        self._alloc.free_one(block)
-
-    def _record_allocation(self, n: int) -> None:
-        if n <= 0:
-            return
-        for i, bound in enumerate(ALLOCATION_BUCKETS):
-            if n <= bound:
-                self._histogram[i] += 1
-                return
-        self._histogram[-1] += 1
+            victims = self.policy.evict(n, self._evictable)
+        if victims is None:
+            return None
+        blocks = [cached.pop(key) for key in victims]
+        block_key = self._block_key
+        for block in blocks:
+            block_key[block] = None
+        if self.enable_events:
+            self._events.append(CacheEvent("removed", tuple(victims)))
+        return victims, blocks
 
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> None:
         """Finish a store: the blocks become readable, or on failure are freed."""
-        key_block = self._key_block
-        state = self._state
+        storing = self._storing
         done: list[Hashable] = []
+        if success:
+            cached, state = self._cached, self._state
+            for key in keys:
+                block = storing.pop(key, None)
+                if block is not None:
+                    cached[key] = block
+                    state[block] = CACHED
+                    done.append(key)
+            if done and self.enable_events:
+                self._events.append(CacheEvent("stored", tuple(done)))
+            return
+        freed: list[int] = []
         for key in keys:
-            block = key_block.get(key)
-            if block is None or state[block] != STORING:
-                continue
-            if success:
-                state[block] = CACHED
-            else:
-                del key_block[key]
+            block = storing.pop(key, None)
+            if block is not None:
                 self._block_key[block] = None
-                state[block] = FREE
+                self._state[block] = FREE
                 self.policy.remove(key)
-                self._alloc.free_one(block)
-            done.append(key)
-        self._num_storing -= len(done)
-        if success and done and self.enable_events:
-            self._events.append(CacheEvent("stored", tuple(done)))
+                freed.append(block)
+        self._alloc.free(freed)
 
     def prepare_load(self, keys: Sequence[Hashable]) -> list[int]:
         """Pin the blocks of cached ``keys`` for reading and return them, in order.
 
-        Raises ``KeyError`` (pinning nothing) if a key is not cached.
+        Raises ``KeyError`` (pinning nothing) if a key is not cached and readable.
         """
-        key_block = self._key_block
-        state = self._state
-        blocks = [key_block[k] for k in keys]
-        for key, block in zip(keys, blocks):
-            if state[block] != CACHED:
-                raise KeyError(f"key {key!r} is being stored; it cannot be loaded yet")
+        cached = self._cached
+        try:
+            blocks = [cached[k] for k in keys]
+        except KeyError as exc:
+            state = "being stored" if exc.args[0] in self._storing else "not cached"
+            raise KeyError(f"cannot load key {exc.args[0]!r}: it is {state}") from None
         pins = self._read_pins
+        newly = 0
         for block in blocks:
             if not pins[block]:
-                self._num_read_pinned += 1
+                newly += 1
             pins[block] += 1
+        self._num_read_pinned += newly
         return blocks
 
     def complete_load(self, keys: Sequence[Hashable]) -> None:
         """Unpin the blocks that ``prepare_load`` pinned for ``keys``."""
-        key_block = self._key_block
+        cached = self._cached
         pins = self._read_pins
-        for key in keys:
-            block = key_block[key]
-            if pins[block] <= 0:
-                raise RuntimeError(f"complete_load for key {key!r} without prepare_load")
+        blocks = [cached[k] for k in keys]
+        if not all(pins[b] for b in blocks):
+            raise RuntimeError(f"complete_load for keys {list(keys)!r} without prepare_load")
+        released = 0
+        for block in blocks:
             pins[block] -= 1
             if not pins[block]:
-                self._num_read_pinned -= 1
+                released += 1
+        self._num_read_pinned -= released
 
     def touch(self, keys: Sequence[Hashable]) -> None:
         """Mark ``keys`` used. The first key ends up the most recently used: a
         prefix's first blocks are shared by the most requests."""
-        key_block = self._key_block
-        access = self.policy.access
-        for key in reversed(keys):
-            if key in key_block:
-                access(key)
+        self.policy.touch(keys)
 
     def evict_all(self) -> list[Hashable]:
         """Evict every unpinned cached key (for a reset); returns them."""
-        keys = [
-            k
-            for k, b in self._key_block.items()
-            if self._state[b] == CACHED and not self._read_pins[b]
-        ]
-        for key in keys:
+        pins = self._read_pins
+        keys = [k for k, b in self._cached.items() if not pins[b]]
+        blocks = [self._cached.pop(k) for k in keys]
+        for key, block in zip(keys, blocks):
             self.policy.remove(key)
-            self._drop_cached(key)
+            self._block_key[block] = None
+            self._state[block] = FREE
+        self._alloc.free(blocks)
         if keys and self.enable_events:
             self._events.append(CacheEvent("removed", tuple(keys)))
         return keys
@@ -345,18 +349,16 @@ class HostBlockPool:
         """
         if n <= 0:
             return []
-        evicted: list[Any] | None = []
-        if n > self._alloc.num_free:
+        free = self._alloc.num_free
+        if n > free:
             if not evict:
                 return None
-            evicted = self.policy.evict(n - self._alloc.num_free, self._evictable_except(None))
-            if evicted is None:
+            victims = self._evict(n - free)
+            if victims is None:
                 return None
-            for key in evicted:
-                self._drop_cached(key)
-            if self.enable_events and evicted:
-                self._events.append(CacheEvent("removed", tuple(evicted)))
-        blocks = self._alloc.allocate(n)
+            blocks = self._alloc.allocate(free) + victims[1]
+        else:
+            blocks = self._alloc.allocate(n)
         state = self._state
         for block in blocks:
             state[block] = OWNED
@@ -421,10 +423,12 @@ class HostBlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self._key_block) - self._num_storing
+        return len(self._cached)
 
     def block_of(self, key: Hashable) -> int | None:
-        return self._key_block.get(key)
+        """The block of a cached or storing key, else ``None``."""
+        block = self._cached.get(key)
+        return self._storing.get(key) if block is None else block
 
     def state_of(self, block: int) -> str:
         return STATE_NAMES[self._state[block]]
@@ -444,11 +448,11 @@ class HostBlockPool:
         return PoolStats(
             capacity=self.num_blocks,
             free=self._alloc.num_free,
-            storing=self._num_storing,
-            cached=self.num_cached,
+            storing=len(self._storing),
+            cached=len(self._cached),
             owned=self._num_owned,
             read_pinned=self._num_read_pinned,
-            write_pinned=self._num_storing + self._num_write_pinned,
+            write_pinned=len(self._storing) + self._num_write_pinned,
             stores_skipped=self.stores_skipped,
             allocation_histogram=list(self._histogram),
         )
@@ -459,7 +463,8 @@ class HostBlockPool:
         for s in self._state:
             counts[s] += 1
         assert counts[FREE] == self._alloc.num_free, "free count differs from allocator"
-        assert counts[STORING] == self._num_storing, "storing count drifted"
+        assert counts[STORING] == len(self._storing), "storing count drifted"
+        assert counts[CACHED] == len(self._cached), "cached count drifted"
         assert counts[OWNED] == self._num_owned, "owned count drifted"
         assert sum(counts) == self.num_blocks
         free_ids = [b for s, e in self._alloc.runs() for b in range(s, e)]
@@ -469,11 +474,12 @@ class HostBlockPool:
         assert len(owned) == len(set(owned)) == counts[OWNED], "a block is owned twice"
         assert all(self._state[b] == OWNED for b in owned)
         seen: set[int] = set()
-        for key, block in self._key_block.items():
-            assert block not in seen, f"block {block} holds two keys"
-            seen.add(block)
-            assert self._block_key[block] == key
-            assert self._state[block] in (STORING, CACHED)
+        for expected, table in ((CACHED, self._cached), (STORING, self._storing)):
+            for key, block in table.items():
+                assert block not in seen, f"block {block} holds two keys"
+                seen.add(block)
+                assert self._block_key[block] == key
+                assert self._state[block] == expected
         assert len(seen) == counts[STORING] + counts[CACHED]
         assert self._num_read_pinned == sum(1 for p in self._read_pins if p)
         assert self._num_write_pinned == sum(1 for p in self._write_pins if p)

@@ -1,0 +1,141 @@
+"""Eviction order of LRU and ARC, and plugging a policy in from a module path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import pytest
+
+from kvtier.blockpool import ARCPolicy, HostBlockPool, LRUPolicy, make_policy
+
+
+def always(_: Hashable) -> bool:
+    return True
+
+
+def test_lru_evicts_least_recently_used_first() -> None:
+    lru = LRUPolicy(8)
+    lru.insert(list("abcd"))
+    lru.touch(["a"])
+    assert lru.evict(2, always) == ["b", "c"]
+    assert lru.keys_in_eviction_order() == ["d", "a"]
+
+
+def test_lru_skips_keys_the_predicate_refuses() -> None:
+    lru = LRUPolicy(8)
+    lru.insert(list("abc"))
+    assert lru.evict(1, lambda key: key != "a") == ["b"]
+    assert lru.evict(3, always) is None, "must fail atomically"
+    assert lru.keys_in_eviction_order() == ["a", "c"]
+
+
+def test_arc_prefers_evicting_keys_seen_once() -> None:
+    arc = ARCPolicy(4)
+    arc.insert(list("abcd"))
+    arc.touch(["a"])
+    arc.touch(["b"])  # a, b -> T2 (frequent); c, d stay in T1
+    assert arc.evict(2, always) == ["c", "d"]
+    assert list(arc.b1) == ["c", "d"], "evicted T1 keys become B1 ghosts"
+
+
+def test_arc_ghost_hit_in_b1_grows_t1_target_and_enters_t2() -> None:
+    arc = ARCPolicy(4)
+    arc.insert(list("abcd"))
+    arc.evict(1, always)  # a -> B1
+    assert arc.p == 0
+    arc.insert(["a"])
+    assert arc.p == 1 and "a" in arc.t2 and "a" not in arc.b1
+
+
+def test_arc_ghost_hit_in_b2_shrinks_t1_target() -> None:
+    arc = ARCPolicy(4)
+    arc.insert(list("abcd"))
+    arc.touch(["a"])  # a in T2
+    arc.evict(1, always)  # b from T1 (|T1|=3 > p=0)
+    arc.insert(["b"])  # B1 hit: p -> 1, b -> T2
+    arc.evict(3, always)  # c, d from T1 (|T1| > p), then from T2
+    assert "a" in arc.b2
+    before = arc.p
+    arc.insert(["a"])
+    assert arc.p < before and "a" in arc.t2
+
+
+def test_arc_evicts_from_t2_when_t1_is_within_target() -> None:
+    arc = ARCPolicy(4)
+    arc.p = 2.0
+    arc.insert(list("abcd"))
+    arc.touch(["a"])
+    arc.touch(["b"])  # T1 = [c, d], T2 = [a, b]
+    assert arc.evict(1, always) == ["a"], "|T1| == p, so T2's LRU goes"
+
+
+def test_arc_ghost_lists_are_bounded() -> None:
+    arc = ARCPolicy(4)
+    for i in range(100):
+        arc.insert([i])
+        if len(arc.t1) + len(arc.t2) > 4:
+            arc.evict(1, always)
+    assert len(arc.t1) + len(arc.b1) <= 4
+    assert len(arc.t1) + len(arc.t2) + len(arc.b1) + len(arc.b2) <= 8
+
+
+def test_arc_in_pool_keeps_reused_prefix_over_a_scan() -> None:
+    pool = HostBlockPool(4, eviction_policy="arc")
+    hot = [b"h0", b"h1"]
+    plan = pool.prepare_store(hot)
+    assert plan is not None
+    pool.complete_store(plan.keys)
+    pool.touch(hot)
+    for i in range(20):  # a scan of one-off keys
+        plan = pool.prepare_store([b"s%d" % i])
+        assert plan is not None
+        pool.complete_store(plan.keys)
+    assert pool.lookup(hot) == 2, "ARC let a scan flush the reused keys"
+
+
+class EvictNewestFirst:
+    """A custom policy for the plug-in test: most recently inserted goes first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.keys: list[Hashable] = []
+
+    def insert(self, keys: Sequence[Hashable]) -> None:
+        self.keys.extend(keys)
+
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        pass
+
+    def remove(self, key: Hashable) -> None:
+        self.keys.remove(key)
+
+    def evict(self, n: int, evictable: Callable[[Hashable], bool]) -> list[Hashable] | None:
+        victims = [key for key in reversed(self.keys) if evictable(key)][:n]
+        if len(victims) < n:
+            return None
+        for key in victims:
+            self.keys.remove(key)
+        return victims
+
+
+@pytest.mark.parametrize(
+    "path",
+    [f"{__name__}:EvictNewestFirst", f"{__name__}.EvictNewestFirst"],
+)
+def test_policy_plugs_in_from_a_module_path(path: str) -> None:
+    pool = HostBlockPool(2, cache_policy_module_path=path)
+    for key in (b"a", b"b"):
+        plan = pool.prepare_store([key])
+        assert plan is not None
+        pool.complete_store(plan.keys)
+    plan = pool.prepare_store([b"c"])
+    assert plan is not None and plan.evicted == [b"b"]
+
+
+def test_module_path_to_a_non_policy_is_rejected() -> None:
+    with pytest.raises(ValueError, match="cache_policy_module_path"):
+        make_policy("lru", 4, "collections:OrderedDict")
+
+
+@pytest.mark.parametrize("name", ["LRU", "Arc"])
+def test_policy_names_are_case_insensitive(name: str) -> None:
+    assert make_policy(name, 4).name == name.lower()  # type: ignore[attr-defined]

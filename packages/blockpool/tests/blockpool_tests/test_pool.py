@@ -1,0 +1,286 @@
+"""HostBlockPool behaviours, one per test."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.blockpool import ALLOCATION_BUCKETS, CacheEvent, HostBlockPool
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def stored(pool: HostBlockPool, keys: list[bytes]) -> list[int]:
+    plan = pool.prepare_store(keys)
+    assert plan is not None
+    pool.complete_store(plan.keys)
+    return plan.block_ids
+
+
+def test_lookup_counts_leading_cached_keys_only() -> None:
+    pool = HostBlockPool(8)
+    stored(pool, [k(0), k(1), k(3)])
+    assert pool.lookup([k(0), k(1), k(2), k(3)]) == 2
+    assert pool.lookup([k(2), k(0)]) == 0
+    assert pool.lookup([]) == 0
+
+
+def test_key_being_stored_is_not_a_hit_until_complete() -> None:
+    pool = HostBlockPool(4)
+    plan = pool.prepare_store([k(0)])
+    assert plan is not None and pool.lookup([k(0)]) == 0 and pool.is_storing(k(0))
+    pool.complete_store([k(0)])
+    assert pool.lookup([k(0)]) == 1
+
+
+def test_prepare_store_skips_keys_already_present() -> None:
+    pool = HostBlockPool(8)
+    stored(pool, [k(0), k(1)])
+    plan = pool.prepare_store([k(0), k(1), k(2)])
+    assert plan is not None and plan.keys == [k(2)] and len(plan.block_ids) == 1
+
+
+def test_prepare_store_hands_out_contiguous_blocks() -> None:
+    pool = HostBlockPool(64)
+    plan = pool.prepare_store([k(i) for i in range(16)])
+    assert plan is not None
+    assert plan.block_ids == list(range(plan.block_ids[0], plan.block_ids[0] + 16))
+
+
+def test_failed_store_frees_its_blocks() -> None:
+    pool = HostBlockPool(4)
+    plan = pool.prepare_store([k(0), k(1)])
+    assert plan is not None
+    pool.complete_store(plan.keys, success=False)
+    assert pool.num_free == 4 and pool.lookup([k(0)]) == 0 and pool.block_of(k(0)) is None
+    pool.check_invariants()
+
+
+def test_eviction_makes_room_and_reports_evicted_keys() -> None:
+    pool = HostBlockPool(4)
+    stored(pool, [k(0), k(1), k(2), k(3)])
+    plan = pool.prepare_store([k(4), k(5)])
+    assert plan is not None and plan.evicted == [k(0), k(1)]
+    assert pool.lookup([k(0)]) == 0 and pool.lookup([k(2)]) == 1
+
+
+def test_prepare_store_returns_none_and_changes_nothing_when_no_room() -> None:
+    pool = HostBlockPool(2)
+    stored(pool, [k(0), k(1)])
+    pool.prepare_load([k(0), k(1)])  # both pinned
+    before = pool.stats()
+    assert pool.prepare_store([k(2)]) is None
+    assert pool.stats() == before
+    assert pool.lookup([k(0), k(1)]) == 2
+
+
+def test_keys_of_the_request_itself_are_not_evicted_for_it() -> None:
+    pool = HostBlockPool(2)
+    stored(pool, [k(0), k(1)])
+    # k(0) is part of this request: making room must not evict it.
+    plan = pool.prepare_store([k(0), k(2)])
+    assert plan is not None and plan.evicted == [k(1)] and pool.lookup([k(0)]) == 1
+
+
+def test_pinned_block_is_never_evicted() -> None:
+    pool = HostBlockPool(3)
+    stored(pool, [k(0), k(1), k(2)])
+    pool.prepare_load([k(0)])
+    plan = pool.prepare_store([k(3)])
+    assert plan is not None and plan.evicted == [k(1)]
+    pool.complete_load([k(0)])
+    plan = pool.prepare_store([k(4)])
+    assert plan is not None and plan.evicted == [k(0)]
+
+
+def test_block_being_stored_is_never_evicted() -> None:
+    pool = HostBlockPool(2)
+    first = pool.prepare_store([k(0), k(1)])
+    assert first is not None
+    assert pool.prepare_store([k(2)]) is None
+
+
+def test_prepare_load_returns_blocks_in_key_order() -> None:
+    pool = HostBlockPool(8)
+    blocks = stored(pool, [k(0), k(1), k(2)])
+    assert pool.prepare_load([k(2), k(0)]) == [blocks[2], blocks[0]]
+
+
+def test_prepare_load_of_missing_key_raises_and_pins_nothing() -> None:
+    pool = HostBlockPool(8)
+    stored(pool, [k(0)])
+    with pytest.raises(KeyError):
+        pool.prepare_load([k(0), k(9)])
+    assert pool.stats().read_pinned == 0
+
+
+def test_complete_load_without_prepare_is_an_error() -> None:
+    pool = HostBlockPool(8)
+    stored(pool, [k(0)])
+    with pytest.raises(RuntimeError):
+        pool.complete_load([k(0)])
+
+
+def test_nested_loads_keep_the_pin_until_the_last_completes() -> None:
+    pool = HostBlockPool(1)
+    stored(pool, [k(0)])
+    pool.prepare_load([k(0)])
+    pool.prepare_load([k(0)])
+    pool.complete_load([k(0)])
+    assert pool.prepare_store([k(1)]) is None
+    pool.complete_load([k(0)])
+    assert pool.prepare_store([k(1)]) is not None
+
+
+def test_touch_puts_the_first_key_last_in_eviction_order() -> None:
+    pool = HostBlockPool(4)
+    stored(pool, [k(0), k(1), k(2), k(3)])
+    pool.touch([k(1), k(0)])  # k(1) is the prefix head: most recent
+    plan = pool.prepare_store([k(4), k(5), k(6)])
+    assert plan is not None and plan.evicted == [k(2), k(3), k(0)]
+
+
+def test_owned_blocks_come_from_the_same_capacity() -> None:
+    pool = HostBlockPool(6)
+    stored(pool, [k(0), k(1), k(2), k(3)])
+    blocks = pool.allocate_owned("req-a", 4)
+    assert blocks is not None and len(blocks) == 4
+    assert pool.lookup([k(0), k(1)]) == 0, "two cached keys should have been evicted"
+    assert pool.stats().owned == 4
+    assert pool.allocate_owned("req-b", 3) is None
+    assert pool.free_owned("req-a") == 4
+    assert pool.num_free == 4
+    pool.check_invariants()
+
+
+def test_owned_allocation_without_eviction_fails_when_free_is_short() -> None:
+    pool = HostBlockPool(4)
+    stored(pool, [k(0), k(1), k(2)])
+    assert pool.allocate_owned("r", 2, evict=False) is None
+    assert pool.lookup([k(0), k(1), k(2)]) == 3
+
+
+def test_owned_blocks_are_never_given_to_the_cache() -> None:
+    pool = HostBlockPool(4)
+    owned = pool.allocate_owned("r", 3)
+    assert owned is not None
+    plan = pool.prepare_store([k(0), k(1)])
+    assert plan is None
+    plan = pool.prepare_store([k(0)])
+    assert plan is not None and not set(plan.block_ids) & set(owned)
+
+
+def test_pinned_owned_blocks_cannot_be_freed() -> None:
+    pool = HostBlockPool(4)
+    owned = pool.allocate_owned("r", 2)
+    assert owned is not None
+    pool.pin(owned, write=True)
+    assert pool.stats().write_pinned == 2
+    with pytest.raises(RuntimeError):
+        pool.free_owned("r")
+    pool.unpin(owned, write=True)
+    assert pool.free_owned("r") == 2
+
+
+def test_owned_blocks_accumulate_per_owner() -> None:
+    pool = HostBlockPool(8)
+    a = pool.allocate_owned("r", 2)
+    b = pool.allocate_owned("r", 3)
+    assert a is not None and b is not None
+    assert pool.owned_blocks("r") == a + b
+
+
+def test_admission_filter_stores_only_after_threshold_lookups() -> None:
+    pool = HostBlockPool(8, store_threshold=2)
+    plan = pool.prepare_store([k(0)])
+    assert plan is not None and plan.keys == [], "stored before any lookup"
+    pool.lookup([k(0)])
+    plan = pool.prepare_store([k(0)])
+    assert plan is not None and plan.keys == []
+    pool.lookup([k(0)])
+    plan = pool.prepare_store([k(0)])
+    assert plan is not None and plan.keys == [k(0)]
+    assert pool.stats().stores_skipped == 2
+
+
+@pytest.mark.parametrize("threshold", [0, 1])
+def test_threshold_below_two_disables_the_filter(threshold: int) -> None:
+    pool = HostBlockPool(8, store_threshold=threshold)
+    plan = pool.prepare_store([k(0)])
+    assert plan is not None and plan.keys == [k(0)] and pool.filter is None
+
+
+def test_admission_tracker_is_bounded() -> None:
+    pool = HostBlockPool(8, store_threshold=2, max_tracker_size=10)
+    for i in range(100):
+        pool.lookup([k(i)])
+    assert pool.filter is not None and len(pool.filter) == 10
+
+
+def test_events_report_stored_and_removed_keys() -> None:
+    pool = HostBlockPool(2, enable_events=True)
+    stored(pool, [k(0), k(1)])
+    stored(pool, [k(2)])
+    assert pool.take_events() == [
+        CacheEvent("stored", (k(0), k(1))),
+        CacheEvent("removed", (k(0),)),
+        CacheEvent("stored", (k(2),)),
+    ]
+    assert pool.take_events() == []
+
+
+def test_no_events_are_kept_unless_enabled() -> None:
+    pool = HostBlockPool(2)
+    stored(pool, [k(0), k(1)])
+    stored(pool, [k(2)])
+    assert pool.take_events() == []
+
+
+def test_stats_fractions_follow_pins() -> None:
+    pool = HostBlockPool(10)
+    stored(pool, [k(0), k(1)])
+    pool.prepare_store([k(2), k(3), k(4)])
+    pool.prepare_load([k(0)])
+    stats = pool.stats()
+    assert stats.usage == pytest.approx(0.5)
+    assert stats.write_usage == pytest.approx(0.3)
+    assert stats.read_usage == pytest.approx(0.1)
+
+
+def test_allocation_histogram_buckets_by_powers_of_four() -> None:
+    assert ALLOCATION_BUCKETS == (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+    pool = HostBlockPool(400)
+    for n in (1, 2, 4, 5, 16, 17, 300):
+        stored(pool, [k(1000 * n + i) for i in range(n)])
+    hist = pool.stats().allocation_histogram
+    assert hist[:6] == [1, 2, 2, 1, 0, 1] and sum(hist) == 7
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"eviction_policy": "fifo"}, "eviction_policy"),
+        ({"store_threshold": -1}, "store_threshold"),
+        ({"store_threshold": "2"}, "store_threshold"),
+        ({"max_tracker_size": 0}, "max_tracker_size"),
+        ({"cache_policy_module_path": "no.such.module:Policy"}, "cache_policy_module_path"),
+    ],
+)
+def test_bad_pool_configuration_names_the_key(kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        HostBlockPool(8, **kwargs)  # type: ignore[arg-type]
+
+
+def test_zero_blocks_is_rejected() -> None:
+    with pytest.raises(ValueError, match="num_blocks"):
+        HostBlockPool(0)
+
+
+def test_evict_all_keeps_pinned_keys() -> None:
+    pool = HostBlockPool(4)
+    stored(pool, [k(0), k(1), k(2)])
+    pool.prepare_load([k(1)])
+    assert sorted(pool.evict_all()) == [k(0), k(2)]
+    assert pool.lookup([k(1)]) == 1
+    pool.check_invariants()
