@@ -211,9 +211,15 @@ def test_npu(session: nox.Session) -> None:
         if os.environ.get("NPU_REQUIRED") == "1":
             session.error(msg + "; NPU_REQUIRED=1 makes this a failure")
         session.skip(msg + "; skipping the NPU tests")
-    session.run("pytest", "-p", "no:cacheprovider", "-m", "npu", *_test_paths(pkgs), env={
-        "KVTIER_DEVICE": "npu"
-    })
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "npu",
+        *_test_paths(pkgs),
+        env={"KVTIER_DEVICE": "npu"},
+    )
 
 
 @nox.session(name="bench-blockpool")
@@ -223,15 +229,21 @@ def bench_blockpool(session: nox.Session) -> None:
     out = ROOT / "out"
     out.mkdir(exist_ok=True)
     session.run(
-        "python", "-m", "kvtier.blockpool.bench", "--json", str(out / "bench-blockpool.json"),
+        "python",
+        "-m",
+        "kvtier.blockpool.bench",
+        "--json",
+        str(out / "bench-blockpool.json"),
         *session.posargs,
     )
 
 
 def _dump_packages() -> str:  # used by `python noxfile.py` for a quick look
     return json.dumps(
-        {d: {"folder": str(p.folder.relative_to(ROOT)), "siblings": p.siblings}
-         for d, p in PACKAGES.items()},
+        {
+            d: {"folder": str(p.folder.relative_to(ROOT)), "siblings": p.siblings}
+            for d, p in PACKAGES.items()
+        },
         indent=2,
     )
 

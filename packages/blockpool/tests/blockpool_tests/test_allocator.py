@@ -7,11 +7,14 @@ import pytest
 from kvtier.blockpool import RunAllocator
 
 
-def test_fresh_allocator_gives_one_contiguous_run() -> None:
+def test_fresh_allocator_gives_contiguous_ascending_runs() -> None:
     alloc = RunAllocator(100)
-    assert alloc.allocate(10) == list(range(10))
-    assert alloc.allocate(5) == list(range(10, 15))
-    assert alloc.num_free == 85
+    first = alloc.allocate(10)
+    second = alloc.allocate(5)
+    for got, n in ((first, 10), (second, 5)):
+        assert got == list(range(got[0], got[0] + n)), f"not one ascending run: {got}"
+    assert not set(first) & set(second)
+    assert alloc.num_free == 85 and alloc.runs() == [(0, 85)]
 
 
 def test_freed_blocks_merge_with_neighbours() -> None:

@@ -51,14 +51,12 @@ def test_integral_float_is_accepted() -> None:
 
 
 def test_missing_budget_names_both_keys() -> None:
-    with pytest.raises(ValueError, match="cpu_bytes_to_use.*cpu_bytes_to_use_per_rank"):
+    with pytest.raises(ValueError, match=r"cpu_bytes_to_use.*cpu_bytes_to_use_per_rank"):
         resolve_budget({}, world_size=1, bytes_per_block=10)
 
 
 @pytest.mark.parametrize("key", ["cpu_bytes_to_use", "cpu_bytes_to_use_per_rank"])
-@pytest.mark.parametrize(
-    "value", [0, -1, 1.5, "8GiB", "1000", True, [1000]], ids=repr
-)
+@pytest.mark.parametrize("value", [0, -1, 1.5, "8GiB", "1000", True, [1000]], ids=repr)
 def test_bad_budget_value_names_key_and_what_is_allowed(key: str, value: object) -> None:
     with pytest.raises(ValueError) as info:
         resolve_budget({key: value}, world_size=1, bytes_per_block=10)
@@ -69,7 +67,9 @@ def test_bad_budget_value_names_key_and_what_is_allowed(key: str, value: object)
 def test_budget_smaller_than_one_block_names_key_and_minimum() -> None:
     with pytest.raises(ValueError, match=r"cpu_bytes_to_use_per_rank.*at least 4096"):
         resolve_budget(
-            {"cpu_bytes_to_use_per_rank": 4000}, world_size=1, bytes_per_block=4000,
+            {"cpu_bytes_to_use_per_rank": 4000},
+            world_size=1,
+            bytes_per_block=4000,
             alignment=4096,
         )
 
@@ -82,15 +82,19 @@ def test_total_too_small_for_world_size_names_key() -> None:
 @pytest.mark.parametrize("alignment", [3, 6, 100, 0, -4])
 def test_alignment_must_be_a_power_of_two(alignment: int) -> None:
     with pytest.raises(ValueError, match="alignment"):
-        resolve_budget({"cpu_bytes_to_use": 10**6}, world_size=1, bytes_per_block=10,
-                       alignment=alignment)
+        resolve_budget(
+            {"cpu_bytes_to_use": 10**6}, world_size=1, bytes_per_block=10, alignment=alignment
+        )
 
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, "2"])
 def test_bad_world_size_is_named(world_size: object) -> None:
     with pytest.raises(ValueError, match="world_size"):
-        resolve_budget({"cpu_bytes_to_use": 10**6}, world_size=world_size,  # type: ignore[arg-type]
-                       bytes_per_block=10)
+        resolve_budget(
+            {"cpu_bytes_to_use": 10**6},
+            world_size=world_size,  # type: ignore[arg-type]
+            bytes_per_block=10,
+        )
 
 
 def test_describe_mentions_key_and_counts() -> None:

@@ -4,8 +4,6 @@ import subprocess
 import sys
 from importlib.metadata import requires
 
-import kvtier.blockpool
-
 
 def test_declared_runtime_dependencies_are_torch_only() -> None:
     runtime = [r for r in requires("kvtier-blockpool") or [] if "extra ==" not in r]

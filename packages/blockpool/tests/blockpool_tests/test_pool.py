@@ -115,11 +115,16 @@ def test_prepare_load_of_missing_key_raises_and_pins_nothing() -> None:
     assert pool.stats().read_pinned == 0
 
 
-def test_complete_load_without_prepare_is_an_error() -> None:
+def test_complete_load_without_prepare_is_an_error_that_changes_nothing() -> None:
     pool = HostBlockPool(8)
-    stored(pool, [k(0)])
+    stored(pool, [k(0), k(1)])
     with pytest.raises(RuntimeError):
         pool.complete_load([k(0)])
+    pool.prepare_load([k(0)])
+    with pytest.raises(RuntimeError):
+        pool.complete_load([k(0), k(1)])
+    assert pool.stats().read_pinned == 1, "a failed complete_load released a pin"
+    pool.check_invariants()
 
 
 def test_nested_loads_keep_the_pin_until_the_last_completes() -> None:

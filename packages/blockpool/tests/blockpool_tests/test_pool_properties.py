@@ -24,7 +24,9 @@ class PoolMachine(RuleBasedStateMachine):
     @initialize(capacity=st.integers(1, 24), threshold=st.sampled_from([0, 0, 2]))
     def setup(self, capacity: int, threshold: int) -> None:
         self.pool = HostBlockPool(
-            capacity, eviction_policy=self.policy_name, store_threshold=threshold,
+            capacity,
+            eviction_policy=self.policy_name,
+            store_threshold=threshold,
             enable_events=True,
         )
         self.storing: list[list[bytes]] = []  # outstanding store batches

@@ -29,7 +29,9 @@ def unique(prefix: str) -> str:
 def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -104,7 +106,8 @@ def test_region_left_by_a_killed_process_is_cleaned_up_on_next_start() -> None:
     name = unique("killed")
     proc = subprocess.Popen(
         [
-            sys.executable, "-c",
+            sys.executable,
+            "-c",
             "import sys, time\n"
             "from kvtier.blockpool import HostRegion\n"
             "r = HostRegion.create_shared(sys.argv[1], 4, 4096)\n"
@@ -112,7 +115,8 @@ def test_region_left_by_a_killed_process_is_cleaned_up_on_next_start() -> None:
             "time.sleep(600)\n",
             name,
         ],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     path = proc.stdout.readline().strip()
@@ -158,7 +162,9 @@ def test_bad_region_name_is_rejected(name: str) -> None:
         HostRegion.create_shared(name, 2, 64)
 
 
-@pytest.mark.parametrize(("blocks", "nbytes", "key"), [(0, 64, "num_blocks"), (2, -1, "block_bytes")])
+@pytest.mark.parametrize(
+    ("blocks", "nbytes", "key"), [(0, 64, "num_blocks"), (2, -1, "block_bytes")]
+)
 def test_bad_sizes_are_named(blocks: int, nbytes: int, key: str) -> None:
     with pytest.raises(ValueError, match=key):
         HostRegion.private(blocks, nbytes)

@@ -32,9 +32,9 @@ from kvtier.blockpool.region import (
 
 __all__ = [
     "ALLOCATION_BUCKETS",
-    "ARCPolicy",
     "PER_RANK_KEY",
     "TOTAL_KEY",
+    "ARCPolicy",
     "CacheEvent",
     "EvictionPolicy",
     "HostBlockPool",

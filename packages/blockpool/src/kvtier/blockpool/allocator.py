@@ -45,39 +45,57 @@ class RunAllocator:
             self._mask &= ~(1 << k)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks, as few runs as possible. Caller checks ``num_free``."""
+        """Take ``n`` free blocks, as few runs as possible, each run's ids ascending.
+
+        Blocks are cut from the end of a run, so the run keeps its start (and
+        usually its bucket): three dict updates in the common case.
+        """
         if n > self.num_free:
             raise ValueError(f"asked for {n} blocks, {self.num_free} free")
+        self.num_free -= n
+        by_start, by_end = self._by_start, self._by_end
         out: list[int] = []
         while n > 0:
-            start, end = self._find(n)
-            take = min(n, end - start)
-            self._drop_run(start, end)
-            if take < end - start:
-                self._add_run(start + take, end)
-            out.extend(range(start, start + take))
-            n -= take
-        self.num_free -= len(out)
+            start = self._find(n)
+            end = by_start[start]
+            length = end - start
+            if length <= n:
+                self._drop_run(start, end)
+                out += range(start, end)
+                n -= length
+                continue
+            cut = end - n
+            by_start[start] = cut
+            del by_end[end]
+            by_end[cut] = start
+            old_k = length.bit_length() - 1
+            new_k = (cut - start).bit_length() - 1
+            if new_k != old_k:
+                bucket = self._buckets[old_k]
+                bucket.discard(start)
+                if not bucket:
+                    self._mask &= ~(1 << old_k)
+                self._buckets[new_k].add(start)
+                self._mask |= 1 << new_k
+            out += range(cut, end)
+            break
         return out
 
-    def _find(self, n: int) -> tuple[int, int]:
-        """A run of >= n blocks if one exists, else the longest run."""
+    def _find(self, n: int) -> int:
+        """Start of a run of >= n blocks if one exists, else of the longest run."""
         k = n.bit_length() - 1
         # Bucket k holds lengths [2^k, 2^(k+1)); it fits n for sure only if n == 2^k.
         first = k if n == 1 << k else k + 1
         mask = self._mask >> first
         if mask:
             b = first + (mask & -mask).bit_length() - 1
-            start = next(iter(self._buckets[b]))
-            return start, self._by_start[start]
+            return next(iter(self._buckets[b]))
         if n != 1 << k and self._mask >> k & 1:
             for start in self._buckets[k]:
-                end = self._by_start[start]
-                if end - start >= n:
-                    return start, end
+                if self._by_start[start] - start >= n:
+                    return start
         b = self._mask.bit_length() - 1  # longest bucket: split across runs
-        start = max(self._buckets[b], key=lambda s: self._by_start[s] - s)
-        return start, self._by_start[start]
+        return max(self._buckets[b], key=lambda s: self._by_start[s] - s)
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Return blocks; neighbouring free runs merge."""

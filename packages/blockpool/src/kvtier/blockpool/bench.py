@@ -26,10 +26,11 @@ from typing import Any
 
 from kvtier.blockpool.pool import HostBlockPool
 
+# In trace order: stores fill the pool, then every key is looked up, loaded and touched.
 OPS = (
-    "lookup",
     "prepare_store",
     "complete_store",
+    "lookup",
     "prepare_load",
     "complete_load",
     "touch",
@@ -68,192 +69,162 @@ class Progress:
         sys.stderr.flush()
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    gc.collect()
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    finally:
-        gc.enable()
+class KvtierDriver:
+    """Runs a chunk of the trace through one operation of a kvtier pool."""
 
+    name = "kvtier"
 
-def run_kvtier(policy: str, batches: list[list[bytes]], n_keys: int) -> dict[str, float]:
-    """Seconds per operation kind over the whole trace."""
-    pool = HostBlockPool(n_keys, eviction_policy=policy)
-    secs: dict[str, float] = {}
+    def __init__(self, n_blocks: int, policy: str, batches: list[list[bytes]]) -> None:
+        self.pool = HostBlockPool(n_blocks, eviction_policy=policy)
 
-    def prepare_store() -> None:
-        f = pool.prepare_store
-        for b in batches:
+    def run(self, op: str, lo: int, hi: int, batches: list[list[bytes]]) -> float:
+        pool, clock = self.pool, time.perf_counter
+        work = batches[lo:hi]
+        if op == "prepare_store_evict":  # time the store only; complete it untimed
+            f, done = pool.prepare_store, pool.complete_store
+            total = 0.0
+            for b in work:
+                t0 = clock()
+                plan = f(b)
+                total += clock() - t0
+                assert plan is not None
+                done(b)
+            return total
+        f = getattr(pool, op)
+        t0 = clock()
+        for b in work:
             f(b)
+        return clock() - t0
 
-    def complete_store() -> None:
-        f = pool.complete_store
-        for b in batches:
-            f(b)
 
-    def lookup() -> None:
-        f = pool.lookup
-        for b in batches:
-            f(b)
+class VllmDriver:
+    """The same, for vLLM's ``CPUOffloadingManager`` (one ``ReqContext`` per batch)."""
 
-    def prepare_load() -> None:
-        f = pool.prepare_load
-        for b in batches:
-            f(b)
+    name = "vllm"
 
-    def complete_load() -> None:
-        f = pool.complete_load
-        for b in batches:
-            f(b)
+    def __init__(self, n_blocks: int, policy: str, batches: list[list[bytes]]) -> None:
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-    def touch() -> None:
-        f = pool.touch
-        for b in batches:
-            f(b)
+        # Typed as Any: vLLM's OffloadKey is a NewType of bytes, and vLLM may be absent.
+        self.mgr: Any = CPUOffloadingManager(num_chunks=n_blocks, cache_policy=policy)
+        self.work = [(b, ReqContext(req_id=f"r{i}")) for i, b in enumerate(batches)]
+        self.hit = LookupResult.HIT
 
-    for name, fn in (
-        ("prepare_store", prepare_store),
-        ("complete_store", complete_store),
-        ("lookup", lookup),
-        ("prepare_load", prepare_load),
-        ("complete_load", complete_load),
-        ("touch", touch),
-    ):
-        secs[name] = _timed(fn)
-    assert pool.lookup(batches[-1]) == len(batches[-1])
-
-    small = HostBlockPool(max(1, n_keys // 4), eviction_policy=policy)
-    quarter = len(batches) // 4
-    for b in batches[:quarter]:
-        small.prepare_store(b)
-        small.complete_store(b)
-    rest = batches[quarter:]
-
-    def evicting_store() -> None:
-        f, done, clock = small.prepare_store, small.complete_store, time.perf_counter
-        total = 0.0
-        for b in rest:
+    def run(self, op: str, lo: int, hi: int, batches: list[list[bytes]]) -> float:
+        mgr, clock = self.mgr, time.perf_counter
+        work = self.work[lo:hi]
+        if op == "lookup":  # vLLM looks keys up one at a time, up to the first miss
+            f, hit = mgr.lookup, self.hit
             t0 = clock()
-            f(b)
-            total += clock() - t0
-            done(b)
-        secs["prepare_store_evict"] = total
-
-    _timed(evicting_store)
-    return secs
-
-
-def run_vllm(policy: str, batches: list[list[bytes]], n_keys: int) -> dict[str, float]:
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
-    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-
-    mgr = CPUOffloadingManager(num_chunks=n_keys, cache_policy=policy)
-    ctxs = [ReqContext(req_id=f"r{i}") for i in range(len(batches))]
-    work = list(zip(batches, ctxs))
-    hit = LookupResult.HIT
-    secs: dict[str, float] = {}
-
-    def prepare_store() -> None:
-        f = mgr.prepare_store
+            for b, c in work:
+                for key in b:
+                    if f(key, c) is not hit:
+                        break
+            return clock() - t0
+        if op == "prepare_store_evict":
+            f, done = mgr.prepare_store, mgr.complete_store
+            total = 0.0
+            for b, c in work:
+                t0 = clock()
+                out = f(b, c)
+                total += clock() - t0
+                assert out is not None
+                done(b, c)
+            return total
+        f = getattr(mgr, op)
+        t0 = clock()
         for b, c in work:
             f(b, c)
-
-    def complete_store() -> None:
-        f = mgr.complete_store
-        for b, c in work:
-            f(b, c)
-
-    def lookup() -> None:
-        f = mgr.lookup
-        for b, c in work:
-            for key in b:
-                if f(key, c) is not hit:
-                    break
-
-    def prepare_load() -> None:
-        f = mgr.prepare_load
-        for b, c in work:
-            f(b, c)
-
-    def complete_load() -> None:
-        f = mgr.complete_load
-        for b, c in work:
-            f(b, c)
-
-    def touch() -> None:
-        f = mgr.touch
-        for b, c in work:
-            f(b, c)
-
-    for name, fn in (
-        ("prepare_store", prepare_store),
-        ("complete_store", complete_store),
-        ("lookup", lookup),
-        ("prepare_load", prepare_load),
-        ("complete_load", complete_load),
-        ("touch", touch),
-    ):
-        secs[name] = _timed(fn)
-    assert mgr.lookup(batches[-1][0], ctxs[-1]) is hit
-
-    small = CPUOffloadingManager(num_chunks=max(1, n_keys // 4), cache_policy=policy)
-    quarter = len(batches) // 4
-    ctxs2 = [ReqContext(req_id=f"s{i}") for i in range(len(batches))]
-    for b, c in zip(batches[:quarter], ctxs2):
-        small.prepare_store(b, c)
-        small.complete_store(b, c)
-    rest = list(zip(batches[quarter:], ctxs2[quarter:]))
-
-    def evicting_store() -> None:
-        f, done, clock = small.prepare_store, small.complete_store, time.perf_counter
-        total = 0.0
-        for b, c in rest:
-            t0 = clock()
-            out = f(b, c)
-            total += clock() - t0
-            assert out is not None
-            done(b, c)
-        secs["prepare_store_evict"] = total
-
-    _timed(evicting_store)
-    return secs
+        return clock() - t0
 
 
 def vllm_available() -> bool:
     try:
         import vllm.v1.kv_offload.cpu.manager  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not measured"
+    except Exception:  # any import failure means "not measured"
         return False
     return True
 
 
+CHUNK_CALLS = 200  # calls per timed slice; the implementations alternate slice by slice
+
+
+def measure_case(
+    policy: str,
+    batches: list[list[bytes]],
+    n_keys: int,
+    drivers: list[type],
+    repeats: int,
+    on_repeat: Callable[[int], None],
+) -> dict[str, dict[str, float]]:
+    """Seconds per operation kind over the whole trace, for each driver.
+
+    The trace is cut into slices of ``CHUNK_CALLS`` calls and the drivers take
+    turns slice by slice, so a noisy neighbour slows both alike; each slice keeps
+    its fastest time over ``repeats`` fresh runs.
+    """
+    slices = [
+        (lo, min(lo + CHUNK_CALLS, len(batches))) for lo in range(0, len(batches), CHUNK_CALLS)
+    ]
+    quarter = len(batches) // 4
+    evict_slices = [
+        (lo, min(lo + CHUNK_CALLS, len(batches)))
+        for lo in range(quarter, len(batches), CHUNK_CALLS)
+    ]
+    best: dict[str, dict[str, list[float]]] = {
+        d.name: {op: [float("inf")] * len(slices) for op in OPS} for d in drivers
+    }
+    for rep in range(repeats):
+        full = [d(n_keys, policy, batches) for d in drivers]
+        small = [d(max(1, n_keys // 4), policy, batches) for d in drivers]
+        for drv in small:  # fill the small pools with the first quarter, untimed
+            drv.run("prepare_store_evict", 0, quarter, batches)
+        gc.collect()
+        gc.disable()
+        try:
+            for op in OPS[:-1]:
+                for i, (lo, hi) in enumerate(slices):
+                    for drv in full:
+                        t = drv.run(op, lo, hi, batches)
+                        slot = best[drv.name][op]
+                        slot[i] = min(slot[i], t)
+            for i, (lo, hi) in enumerate(evict_slices):
+                for drv in small:
+                    t = drv.run("prepare_store_evict", lo, hi, batches)
+                    slot = best[drv.name]["prepare_store_evict"]
+                    slot[i] = min(slot[i], t)
+        finally:
+            gc.enable()
+        on_repeat(rep)
+    return {
+        name: {op: sum(t for t in times if t != float("inf")) for op, times in ops.items()}
+        for name, ops in best.items()
+    }
+
+
 def measure(n_keys: int, repeats: int, with_vllm: bool, progress: bool) -> dict[str, Any]:
     keys = make_keys(n_keys)
-    runs: list[tuple[str, Callable[[str, list[list[bytes]], int], dict[str, float]]]] = [
-        ("kvtier", run_kvtier)
-    ]
-    if with_vllm:
-        runs.append(("vllm", run_vllm))
-    bar = Progress(len(POLICIES) * len(BATCHES) * repeats * len(runs), progress)
+    drivers: list[type] = [KvtierDriver] + ([VllmDriver] if with_vllm else [])
+    bar = Progress(len(POLICIES) * len(BATCHES) * repeats, progress)
     results: dict[str, dict[str, float]] = {}
     for policy in POLICIES:
         for batch in BATCHES:
             batches = batched(keys, batch)
-            best: dict[str, dict[str, float]] = {name: {} for name, _ in runs}
-            for rep in range(repeats):
-                for name, fn in runs:  # interleaved, so drift hits both alike
-                    secs = fn(policy, batches, n_keys)
-                    for op, s in secs.items():
-                        best[name][op] = min(best[name].get(op, float("inf")), s)
-                    bar.step(f"{name} {policy} batch={batch} rep {rep + 1}")
+            label = f"{policy} batch={batch}"
+            secs = measure_case(
+                policy,
+                batches,
+                n_keys,
+                drivers,
+                repeats,
+                lambda rep, label=label: bar.step(f"{label} run {rep + 1}"),
+            )
             for op in OPS:
                 calls = len(batches) - (len(batches) // 4 if op == "prepare_store_evict" else 0)
-                entry: dict[str, float] = {"kvtier_per_s": calls / best["kvtier"][op]}
+                entry: dict[str, float] = {"kvtier_per_s": calls / secs["kvtier"][op]}
                 if with_vllm:
-                    entry["vllm_per_s"] = calls / best["vllm"][op]
+                    entry["vllm_per_s"] = calls / secs["vllm"][op]
                     entry["ratio"] = entry["kvtier_per_s"] / entry["vllm_per_s"]
                 results[f"{op}@{policy}@{batch}"] = entry
     return {"keys": n_keys, "repeats": repeats, "ops": results}

@@ -131,9 +131,10 @@ def resolve_budget(
     block_bytes = round_up(bytes_per_block, alignment)
     num_blocks = per_rank // block_bytes
     if num_blocks == 0:
+        minimum = block_bytes * world_size if key == TOTAL_KEY else block_bytes
         raise ValueError(
             f"{key}: {per_rank} bytes per rank is smaller than one host block "
-            f"({block_bytes} bytes); it must be at least {block_bytes * world_size if key == TOTAL_KEY else block_bytes} bytes"
+            f"({block_bytes} bytes); it must be at least {minimum} bytes"
         )
     return HostBudget(
         bytes_per_rank=per_rank,

@@ -237,6 +237,4 @@ def make_policy(name: str, capacity: int, module_path: str | None = None) -> Evi
         raise ValueError(
             f"cache_policy_module_path={module_path!r}: class lacks method(s) {missing}"
         )
-    return policy  # type: ignore[no-any-return]
-
-
+    return policy  # type: ignore[no-any-return,unused-ignore]

@@ -100,7 +100,7 @@ def _cuda_host_register(tensor: torch.Tensor) -> bool:
         return False
     try:
         rc = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
-    except Exception:  # noqa: BLE001 - any failure means "not registered"
+    except Exception:
         return False
     return int(rc) == 0
 
@@ -108,13 +108,11 @@ def _cuda_host_register(tensor: torch.Tensor) -> bool:
 def _cuda_host_unregister(tensor: torch.Tensor) -> None:
     try:
         torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
 
 
-def _close_shared(
-    path: str | None, fd: int, owner: bool, registered: torch.Tensor | None
-) -> None:
+def _close_shared(path: str | None, fd: int, owner: bool, registered: torch.Tensor | None) -> None:
     if registered is not None:
         _cuda_host_unregister(registered)
     if owner and path is not None:
@@ -159,9 +157,7 @@ class HostRegion:
         self.owner = owner
         self._closed = False
         self._finalizer = (
-            weakref.finalize(
-                self, _close_shared, path, fd, owner, tensor if registered else None
-            )
+            weakref.finalize(self, _close_shared, path, fd, owner, tensor if registered else None)
             if fd >= 0
             else None
         )
@@ -184,7 +180,9 @@ class HostRegion:
                 tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
                 pinned, method = True, f"{accel} pinned host allocator"
             except RuntimeError as exc:
-                logger.warning("kvtier: pinned allocation of %d bytes failed (%s); unpinned", size, exc)
+                logger.warning(
+                    "kvtier: pinned allocation of %d bytes failed (%s); unpinned", size, exc
+                )
                 tensor = torch.empty(size, dtype=torch.uint8)
                 pinned, method = False, "unpinned (pinned allocation failed)"
         else:
@@ -193,7 +191,10 @@ class HostRegion:
             method = "unpinned (no accelerator: host-to-host copies)" if pin else "unpinned"
         logger.info(
             "kvtier: private host region of %d blocks x %d bytes = %d bytes, %s",
-            num_blocks, block_bytes, size, method,
+            num_blocks,
+            block_bytes,
+            size,
+            method,
         )
         return cls(tensor, num_blocks, block_bytes, pinned=pinned, pin_method=method)
 
@@ -247,7 +248,12 @@ class HostRegion:
 
     @classmethod
     def attach_shared(
-        cls, name: str, num_blocks: int, block_bytes: int, *, pin: bool = True,
+        cls,
+        name: str,
+        num_blocks: int,
+        block_bytes: int,
+        *,
+        pin: bool = True,
         shm_dir: str = SHM_DIR,
     ) -> HostRegion:
         """Map the shared region ``name`` that another process created."""
@@ -295,11 +301,23 @@ class HostRegion:
             method = "unpinned (no accelerator: host-to-host copies)"
         logger.info(
             "kvtier: %s shared host region %s of %d blocks x %d bytes = %d bytes, %s",
-            "created" if owner else "attached", path, num_blocks, block_bytes, size, method,
+            "created" if owner else "attached",
+            path,
+            num_blocks,
+            block_bytes,
+            size,
+            method,
         )
         return cls(
-            tensor, num_blocks, block_bytes, pinned=registered, pin_method=method,
-            path=path, fd=fd, owner=owner, registered=registered,
+            tensor,
+            num_blocks,
+            block_bytes,
+            pinned=registered,
+            pin_method=method,
+            path=path,
+            fd=fd,
+            owner=owner,
+            registered=registered,
         )
 
     # ----------------------------------------------------------------- views
