@@ -154,7 +154,7 @@ def measure_case(
     policy: str,
     batches: list[list[bytes]],
     n_keys: int,
-    drivers: list[type],
+    drivers: list[type[KvtierDriver] | type[VllmDriver]],
     repeats: int,
     on_repeat: Callable[[int], None],
 ) -> dict[str, dict[str, float]]:
@@ -205,21 +205,18 @@ def measure_case(
 
 def measure(n_keys: int, repeats: int, with_vllm: bool, progress: bool) -> dict[str, Any]:
     keys = make_keys(n_keys)
-    drivers: list[type] = [KvtierDriver] + ([VllmDriver] if with_vllm else [])
+    drivers: list[type[KvtierDriver] | type[VllmDriver]] = [KvtierDriver] + ([VllmDriver] if with_vllm else [])
     bar = Progress(len(POLICIES) * len(BATCHES) * repeats, progress)
     results: dict[str, dict[str, float]] = {}
     for policy in POLICIES:
         for batch in BATCHES:
             batches = batched(keys, batch)
             label = f"{policy} batch={batch}"
-            secs = measure_case(
-                policy,
-                batches,
-                n_keys,
-                drivers,
-                repeats,
-                lambda rep, label=label: bar.step(f"{label} run {rep + 1}"),
-            )
+
+            def on_repeat(rep: int, label: str = label) -> None:
+                bar.step(f"{label} run {rep + 1}")
+
+            secs = measure_case(policy, batches, n_keys, drivers, repeats, on_repeat)
             for op in OPS:
                 calls = len(batches) - (len(batches) // 4 if op == "prepare_store_evict" else 0)
                 entry: dict[str, float] = {"kvtier_per_s": calls / secs["kvtier"][op]}

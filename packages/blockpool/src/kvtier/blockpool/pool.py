@@ -151,12 +151,14 @@ class HostBlockPool:
         self._storing: dict[Any, int] = {}  # key -> block, state STORING
         self._block_key: list[Any] = [None] * self.num_blocks
         self._state = bytearray(self.num_blocks)
-        self._read_pins = [0] * self.num_blocks
-        self._write_pins = [0] * self.num_blocks
+        # Pins: cached keys being read by loads (key -> count; absent = unpinned), and
+        # owned blocks pinned by transfers (block -> count). Only pinned entries are
+        # stored, so a pin count's size is the number of pinned blocks.
+        self._load_pins: dict[Any, int] = {}
+        self._owned_read_pins: dict[int, int] = {}
+        self._owned_write_pins: dict[int, int] = {}
         self._owned: dict[Hashable, list[int]] = {}
         self._num_owned = 0
-        self._num_read_pinned = 0
-        self._num_write_pinned = 0  # owned blocks pinned for write (STORING counted apart)
         self.stores_skipped = 0
         self.filter = (
             StoreAdmissionFilter(store_threshold, max_tracker_size)
@@ -166,13 +168,12 @@ class HostBlockPool:
         self._histogram = [0] * (len(ALLOCATION_BUCKETS) + 1)
         self.enable_events = enable_events
         self._events: list[CacheEvent] = []
-        cached, pins = self._cached, self._read_pins
+        cached, pins = self._cached, self._load_pins
 
         def evictable(key: Hashable) -> bool:
             # The policy only knows keys that are storing or cached; storing ones
             # are not in ``cached`` and so are refused.
-            block = cached.get(key)
-            return block is not None and not pins[block]
+            return key in cached and key not in pins
 
         self._evictable = evictable
         # One Python call per touch instead of two: it is the hottest call per step.
@@ -245,11 +246,10 @@ class HostBlockPool:
         cached = self._cached
         protected = {k for k in request_keys if k in cached}
         if protected:
-            pins = self._read_pins
+            pins = self._load_pins
 
             def evictable(key: Hashable) -> bool:
-                block = cached.get(key)
-                return block is not None and not pins[block] and key not in protected
+                return key in cached and key not in pins and key not in protected
 
             victims = self.policy.evict(n, evictable)
         else:
@@ -299,32 +299,38 @@ class HostBlockPool:
         except KeyError as exc:
             state = "being stored" if exc.args[0] in self._storing else "not cached"
             raise KeyError(f"cannot load key {exc.args[0]!r}: it is {state}") from None
-        pins = self._read_pins
-        newly = 0
-        for block in blocks:
-            p = pins[block]
-            if not p:
-                newly += 1
-            pins[block] = p + 1
-        self._num_read_pinned += newly
+        pins = self._load_pins
+        get = pins.get
+        for key in keys:
+            pins[key] = get(key, 0) + 1
         return blocks
 
     def complete_load(self, keys: Sequence[Hashable]) -> None:
         """Unpin the blocks that ``prepare_load`` pinned for ``keys``."""
-        cached = self._cached
-        pins = self._read_pins
-        released = 0
-        for i, key in enumerate(keys):
-            block = cached[key]
-            p = pins[block] - 1
-            if p <= 0:
-                if p < 0:
-                    for done in keys[:i]:  # leave the pins as they were
-                        pins[cached[done]] += 1
-                    raise RuntimeError(f"complete_load for key {key!r} without prepare_load")
-                released += 1
-            pins[block] = p
-        self._num_read_pinned -= released
+        pins = self._load_pins
+        if len(keys) == 1:  # the common case, without loop bookkeeping
+            count = pins.get(keys[0], 0)
+            if count == 1:
+                del pins[keys[0]]
+                return
+            if count > 1:
+                pins[keys[0]] = count - 1
+                return
+        done = 0
+        try:
+            for key in keys:
+                count = pins[key]
+                if count == 1:
+                    del pins[key]
+                else:
+                    pins[key] = count - 1
+                done += 1
+        except KeyError:
+            for key in keys[:done]:  # leave the pins as they were
+                pins[key] = pins.get(key, 0) + 1
+            raise RuntimeError(
+                f"complete_load for key {keys[done]!r} without prepare_load"
+            ) from None
 
     def touch(self, keys: Sequence[Hashable]) -> None:
         """Mark ``keys`` used. The first key ends up the most recently used: a
@@ -333,8 +339,8 @@ class HostBlockPool:
 
     def evict_all(self) -> list[Hashable]:
         """Evict every unpinned cached key (for a reset); returns them."""
-        pins = self._read_pins
-        keys = [k for k, b in self._cached.items() if not pins[b]]
+        pins = self._load_pins
+        keys = [k for k in self._cached if k not in pins]
         blocks = [self._cached.pop(k) for k in keys]
         for key, block in zip(keys, blocks):
             self.policy.remove(key)
@@ -387,7 +393,7 @@ class HostBlockPool:
         if not blocks:
             self._owned.pop(owner, None)
             return 0
-        if any(self._read_pins[b] or self._write_pins[b] for b in blocks):
+        if any(b in self._owned_read_pins or b in self._owned_write_pins for b in blocks):
             raise RuntimeError(f"owner {owner!r} has blocks pinned by a transfer in flight")
         del self._owned[owner]
         for block in blocks:
@@ -397,29 +403,32 @@ class HostBlockPool:
         return len(blocks)
 
     def pin(self, block_ids: Sequence[int], *, write: bool) -> None:
-        """Pin owned or cached blocks for a transfer (``write``: the transfer fills them)."""
-        pins = self._write_pins if write else self._read_pins
+        """Pin owned blocks for a transfer (``write``: the transfer fills them).
+
+        Cached blocks are pinned with ``prepare_load`` instead.
+        """
+        state = self._state
         for block in block_ids:
-            if self._state[block] == FREE:
-                raise ValueError(f"block {block} is free; only allocated blocks can be pinned")
-            if not pins[block]:
-                if write:
-                    self._num_write_pinned += 1
-                else:
-                    self._num_read_pinned += 1
-            pins[block] += 1
+            if state[block] != OWNED:
+                raise ValueError(
+                    f"block {block} is {self.state_of(block)}; pin() is for owned blocks "
+                    "(cached ones are pinned by prepare_load)"
+                )
+        pins = self._owned_write_pins if write else self._owned_read_pins
+        for block in block_ids:
+            pins[block] = pins.get(block, 0) + 1
 
     def unpin(self, block_ids: Sequence[int], *, write: bool) -> None:
-        pins = self._write_pins if write else self._read_pins
+        pins = self._owned_write_pins if write else self._owned_read_pins
+        missing = [b for b in block_ids if b not in pins]
+        if missing:
+            raise RuntimeError(f"blocks {missing} unpinned more often than pinned")
         for block in block_ids:
-            if pins[block] <= 0:
-                raise RuntimeError(f"block {block} unpinned more often than pinned")
-            pins[block] -= 1
-            if not pins[block]:
-                if write:
-                    self._num_write_pinned -= 1
-                else:
-                    self._num_read_pinned -= 1
+            count = pins[block]
+            if count == 1:
+                del pins[block]
+            else:
+                pins[block] = count - 1
 
     # ------------------------------------------------------------------ introspection
 
@@ -444,8 +453,11 @@ class HostBlockPool:
         return "owned" if state == OWNED else "free"
 
     def is_pinned(self, block: int) -> bool:
-        return bool(
-            self._read_pins[block] or self._write_pins[block] or self.state_of(block) == "storing"
+        key = self._block_key[block]
+        return (
+            block in self._owned_read_pins
+            or block in self._owned_write_pins
+            or (key is not None and (key in self._load_pins or key in self._storing))
         )
 
     def free_runs(self) -> list[tuple[int, int]]:
@@ -463,8 +475,8 @@ class HostBlockPool:
             storing=len(self._storing),
             cached=len(self._cached),
             owned=self._num_owned,
-            read_pinned=self._num_read_pinned,
-            write_pinned=len(self._storing) + self._num_write_pinned,
+            read_pinned=len(self._load_pins) + len(self._owned_read_pins),
+            write_pinned=len(self._storing) + len(self._owned_write_pins),
             stores_skipped=self.stores_skipped,
             allocation_histogram=list(self._histogram),
         )
@@ -493,5 +505,6 @@ class HostBlockPool:
                 assert self._block_key[block] == key
                 assert self._state[block] == KEYED
         assert len(seen) == counts[KEYED]
-        assert self._num_read_pinned == sum(1 for p in self._read_pins if p)
-        assert self._num_write_pinned == sum(1 for p in self._write_pins if p)
+        assert all(key in self._cached and n > 0 for key, n in self._load_pins.items())
+        for pins in (self._owned_read_pins, self._owned_write_pins):
+            assert all(self._state[b] == OWNED and n > 0 for b, n in pins.items())
