@@ -205,7 +205,9 @@ def measure_case(
 
 def measure(n_keys: int, repeats: int, with_vllm: bool, progress: bool) -> dict[str, Any]:
     keys = make_keys(n_keys)
-    drivers: list[type[KvtierDriver] | type[VllmDriver]] = [KvtierDriver] + ([VllmDriver] if with_vllm else [])
+    drivers: list[type[KvtierDriver] | type[VllmDriver]] = [KvtierDriver] + (
+        [VllmDriver] if with_vllm else []
+    )
     bar = Progress(len(POLICIES) * len(BATCHES) * repeats, progress)
     results: dict[str, dict[str, float]] = {}
     for policy in POLICIES:

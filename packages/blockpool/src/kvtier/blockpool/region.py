@@ -236,7 +236,14 @@ class HostRegion:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(fd, size)
-            os.rename(tmp, path)
+            # link() fails if the name exists, so two creators racing cannot both win.
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise FileExistsError(
+                    f"shared host region {path} is in use by a live process"
+                ) from None
+            os.unlink(tmp)
         except BaseException:
             try:
                 os.unlink(tmp)
