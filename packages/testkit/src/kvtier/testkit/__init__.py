@@ -1,0 +1,89 @@
+"""kvtier-testkit: shared test helpers for kvtier's vLLM plugins.
+
+* :func:`make_tiny_llama`: a tiny random-weight model and tokenizer, made offline, cached;
+* :func:`run_workload`, :func:`compare_outputs`: greedy runs compared token by token;
+* :class:`SchedulerTokenCounter`: the engine's work in scheduled tokens;
+* ``kvtier.testkit.pytest_plugin``: session fixtures (``pytest_plugins = [...]``).
+
+Importing it never imports vLLM; the engine helpers import it when called.
+"""
+
+from kvtier.testkit.__about__ import __version__
+from kvtier.testkit.engine import (
+    FORCED_PREEMPTION_ENGINE,
+    FORCED_PREEMPTION_WORKLOAD,
+    REFERENCE_ENGINE,
+    SLIDING_WINDOW_ENGINE,
+    SLIDING_WINDOW_WORKLOAD,
+    Mismatch,
+    OutputComparison,
+    SchedulerTokenCounter,
+    Workload,
+    WorkloadResult,
+    compare_outputs,
+    engine_core,
+    free_llm,
+    greedy_params,
+    in_process_engines,
+    kv_connector_of,
+    kv_transfer_config,
+    labelled_metric_values,
+    llm_session,
+    make_llm,
+    make_workload,
+    metric_values,
+    run_with,
+    run_workload,
+    scheduler_of,
+)
+from kvtier.testkit.model import (
+    ENV_MODEL_DIR,
+    TinyModelSpec,
+    default_model_root,
+    make_tiny_llama,
+    read_spec,
+    special_token_ids,
+)
+
+__all__ = [
+    "ENV_MODEL_DIR",
+    "FORCED_PREEMPTION_ENGINE",
+    "FORCED_PREEMPTION_WORKLOAD",
+    "REFERENCE_ENGINE",
+    "SLIDING_WINDOW_ENGINE",
+    "SLIDING_WINDOW_WORKLOAD",
+    "Mismatch",
+    "OutputComparison",
+    "SchedulerTokenCounter",
+    "TinyModelSpec",
+    "Workload",
+    "WorkloadResult",
+    "__version__",
+    "compare_outputs",
+    "default_model_root",
+    "engine_core",
+    "free_llm",
+    "greedy_params",
+    "in_process_engines",
+    "kv_connector_of",
+    "kv_transfer_config",
+    "labelled_metric_values",
+    "llm_session",
+    "make_llm",
+    "make_tiny_llama",
+    "make_workload",
+    "metric_values",
+    "read_spec",
+    "run_with",
+    "run_workload",
+    "scheduler_of",
+    "special_token_ids",
+    "vllm_available",
+]
+
+
+def vllm_available() -> bool:
+    """Whether vLLM can be imported here (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None

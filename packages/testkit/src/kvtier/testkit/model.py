@@ -1,0 +1,208 @@
+"""A tiny random-weight causal LM and tokenizer, made offline, for engine tests.
+
+No model can be downloaded where kvtier's tests run, so the tests make their own:
+a Llama (or, with a sliding window, a Mistral) of a few layers with random weights,
+saved with transformers, and a byte-level BPE tokenizer trained with ``tokenizers``
+on generated text. The EOS logit row is zeroed so greedy runs reach ``max_tokens``.
+
+Models are cached: one folder per parameter set under :func:`default_model_root`,
+written to a temporary folder first and renamed into place, so concurrent test
+processes never see a half-written model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ENV_MODEL_DIR = "KVTIER_TINY_MODEL_DIR"
+MARKER = "kvtier-tiny-model.json"
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+# Bump when the recipe changes, so stale cached models are not reused.
+RECIPE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """What :func:`make_tiny_llama` builds. Sizes are in elements (not bytes).
+
+    Attributes:
+        layers: decoder layers.
+        hidden: hidden size.
+        heads: attention heads (and KV heads: no grouped-query attention).
+        head_dim: elements per head; vLLM's CPU attention accepts 32, 64, 80, 96, 112, 128.
+        vocab: vocabulary size in tokens, specials included.
+        seed: seed for weights and tokenizer training text.
+        sliding_window: attention window in tokens; ``None`` for full attention (Llama).
+    """
+
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 2
+    head_dim: int = 64
+    vocab: int = 512
+    seed: int = 0
+    sliding_window: int | None = None
+
+    @property
+    def architecture(self) -> str:
+        return "mistral" if self.sliding_window else "llama"
+
+    def folder_name(self) -> str:
+        blob = json.dumps({"recipe": RECIPE_VERSION, **asdict(self)}, sort_keys=True)
+        digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
+        sw = f"-sw{self.sliding_window}" if self.sliding_window else ""
+        return f"tiny-{self.architecture}-l{self.layers}-h{self.hidden}{sw}-{digest}"
+
+
+def default_model_root() -> Path:
+    """Where tiny models are cached: ``$KVTIER_TINY_MODEL_DIR``, else
+    ``$XDG_CACHE_HOME/kvtier/tiny-models`` (``~/.cache/kvtier/tiny-models``)."""
+    env = os.environ.get(ENV_MODEL_DIR)
+    if env:
+        return Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(cache) / "kvtier" / "tiny-models"
+
+
+def _training_text(seed: int, lines: int = 2000) -> list[str]:
+    """Pseudo-words over a small alphabet: enough for BPE to learn a few hundred merges."""
+    rng = random.Random(seed)
+    syllables = [a + b for a in "bcdfghklmnprstvz" for b in "aeiou"]
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(600)]
+    return [" ".join(rng.choices(words, k=rng.randint(4, 16))) for _ in range(lines)]
+
+
+def _train_tokenizer(folder: Path, vocab: int, seed: int) -> dict[str, int]:
+    """Train a byte-level BPE tokenizer of ``vocab`` tokens, save it as a fast tokenizer.
+
+    Returns the ids of the special tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(str(folder))
+    ids: dict[str, int] = {}
+    for name in SPECIAL_TOKENS:
+        token_id = tok.token_to_id(name)
+        if token_id is None:
+            raise RuntimeError(f"trained tokenizer lacks the special token {name}")
+        ids[name] = token_id
+    return ids
+
+
+def _build(folder: Path, spec: TinyModelSpec) -> None:
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
+
+    ids = _train_tokenizer(folder, spec.vocab, spec.seed)
+    common: dict[str, Any] = dict(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.hidden * 2,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=1024,
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
+        pad_token_id=ids["<unk>"],
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model: Any
+    if spec.sliding_window:
+        model = MistralForCausalLM(MistralConfig(sliding_window=spec.sliding_window, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    with torch.no_grad():
+        # A zero row gives EOS the logit 0, below the max of hundreds of random logits.
+        model.lm_head.weight[ids["</s>"]].zero_()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+
+
+def make_tiny_llama(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 2,
+    head_dim: int = 64,
+    vocab: int = 512,
+    seed: int = 0,
+    sliding_window: int | None = None,
+) -> Path:
+    """Make (or reuse) a tiny random-weight model and return its folder.
+
+    ``path`` is a cache root (default :func:`default_model_root`); the model lives in a
+    sub-folder named after its parameters, so one root holds several variants. A
+    folder already made with the same parameters is reused. The model is a Llama, or a
+    Mistral with ``sliding_window`` (tokens) set. ``vocab`` is in tokens (at least 300:
+    the byte-level alphabet plus specials); ``hidden`` and ``head_dim`` in elements.
+    """
+    if vocab < 300:
+        raise ValueError(
+            f"vocab must be at least 300 tokens (byte alphabet + specials), got {vocab}"
+        )
+    if heads * head_dim <= 0 or layers <= 0:
+        raise ValueError("layers, heads and head_dim must be positive")
+    spec = TinyModelSpec(layers, hidden, heads, head_dim, vocab, seed, sliding_window)
+    root = Path(path) if path is not None else default_model_root()
+    folder = root / spec.folder_name()
+    if (folder / MARKER).is_file():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
+    try:
+        _build(tmp, spec)
+        (tmp / MARKER).write_text(json.dumps(asdict(spec), indent=2) + "\n")
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            # Another process finished first; use its copy.
+            if not (folder / MARKER).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def read_spec(folder: str | os.PathLike[str]) -> TinyModelSpec:
+    """The parameters a tiny model folder was made with."""
+    data = json.loads((Path(folder) / MARKER).read_text())
+    return TinyModelSpec(**data)
+
+
+def special_token_ids(folder: str | os.PathLike[str]) -> set[int]:
+    """Token ids of the tokenizer's special tokens (never used in generated prompts)."""
+    data = json.loads((Path(folder) / "tokenizer.json").read_text())
+    return {int(t["id"]) for t in data.get("added_tokens", [])}

@@ -1,0 +1,45 @@
+"""pytest fixtures for engine tests. Enable in a test module or conftest with::
+
+    pytest_plugins = ["kvtier.testkit.pytest_plugin"]
+
+Fixtures (session-scoped, made once per test session and cached on disk across
+sessions, see :func:`kvtier.testkit.default_model_root`):
+
+* ``tiny_model``: folder of the default tiny Llama (2 layers, hidden 128);
+* ``tiny_sliding_window_model``: the same as a Mistral with a 64-token sliding window.
+
+Markers: ``requires_vllm`` skips a test where vLLM cannot be imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.testkit import make_tiny_llama, vllm_available
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "requires_vllm: skipped where vLLM is not installed")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if vllm_available():
+        return
+    skip = pytest.mark.skip(reason="vLLM is not installed here")
+    for item in items:
+        if "requires_vllm" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """Folder of the default tiny Llama (see :func:`kvtier.testkit.make_tiny_llama`)."""
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_sliding_window_model() -> Path:
+    """Folder of a tiny Mistral with a 64-token sliding window."""
+    return make_tiny_llama(sliding_window=64)
