@@ -139,12 +139,14 @@ class CPUBackend:
     def store(
         self, handle: TransferHandle, device_ids: list[int], host_ids: list[int], deps: list[Dep]
     ) -> None:
-        self._submit(handle, lambda: self._copy(device_ids, host_ids, to_host=True), deps)
+        copy = self._copy  # bound now: the transfer runs what was current when submitted
+        self._submit(handle, lambda: copy(device_ids, host_ids, to_host=True), deps)
 
     def load(
         self, handle: TransferHandle, host_ids: list[int], device_ids: list[int], deps: list[Dep]
     ) -> None:
-        self._submit(handle, lambda: self._copy(device_ids, host_ids, to_host=False), deps)
+        copy = self._copy
+        self._submit(handle, lambda: copy(device_ids, host_ids, to_host=False), deps)
 
     def poll(self, handle: TransferHandle) -> bool:
         token: threading.Event = handle._token
