@@ -1,0 +1,260 @@
+"""Validation of ``kv_connector_extra_config`` for kvtier's offloading specs.
+
+Plain Python, no vLLM import: every error is a ``ConfigError`` (a ``ValueError``)
+whose message names the key, the value given and what is allowed, and it is raised
+when the spec is built, at engine start-up, never later.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.blockpool import PER_RANK_KEY, TOTAL_KEY
+
+EVICTION_POLICIES = ("lru", "arc")
+TIER_TYPES = ("fs",)
+DEFAULT_IO_THREADS = 16  # vLLM's fs tier default, so a copied configuration behaves alike
+DEFAULT_MAX_TRACKER_SIZE = 64_000
+_FS_KEYS = (
+    "type",
+    "root_dir",
+    "n_read_threads",
+    "n_write_threads",
+    "capacity_bytes",
+    "enable_kv_events",
+    "locality",
+    # vLLM's tiering keys that kvtier accepts and does not need.
+    "backpressure",
+    "module_path",
+)
+LOCALITIES = ("LOCAL", "REMOTE")
+
+
+class ConfigError(ValueError):
+    """A bad ``kv_connector_extra_config`` value; the message names the key."""
+
+
+def _int(key: str, value: Any, *, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``; integral floats (``8e9``) are accepted."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(
+            f"{key} must be an integer >= {minimum}, got {value!r} ({type(value).__name__})"
+        )
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}") from None
+    if isinstance(number, float):
+        if not number.is_integer():
+            raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
+        number = int(number)
+    if number < minimum:
+        raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return int(number)
+
+
+@dataclass(frozen=True)
+class FsTierConfig:
+    """One ``{"type": "fs", ...}`` entry of ``secondary_tiers``.
+
+    Attributes:
+        root_dir: directory the tier keeps its files in (created 0700 if missing).
+        n_read_threads / n_write_threads: I/O threads for promotions / writes.
+        capacity_bytes: bytes of files this engine may keep; None means no limit.
+        enable_kv_events: publish KV events for this tier (when events are on).
+        locality: "LOCAL" or "REMOTE" (reported in events).
+    """
+
+    root_dir: str
+    n_read_threads: int = DEFAULT_IO_THREADS
+    n_write_threads: int = DEFAULT_IO_THREADS
+    capacity_bytes: int | None = None
+    enable_kv_events: bool = True
+    locality: str = "LOCAL"
+    type: str = "fs"
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The validated settings of a kvtier offloading spec.
+
+    Attributes:
+        budget: the ``cpu_bytes_to_use`` / ``cpu_bytes_to_use_per_rank`` keys, for
+            ``kvtier.blockpool.resolve_budget`` (bytes).
+        blocks_per_chunk: device blocks per host block, if given.
+        block_size: tokens per host block, if given (mutually exclusive with the above).
+        eviction_policy / cache_policy_module_path: the host tier's eviction policy.
+        store_threshold: offers a block needs before it is stored (below 2: off).
+        max_tracker_size: keys the admission filter remembers.
+        secondary_tiers: validated secondary tiers, in order.
+    """
+
+    budget: dict[str, int]
+    blocks_per_chunk: int | None = None
+    block_size: int | None = None
+    eviction_policy: str = "lru"
+    cache_policy_module_path: str | None = None
+    store_threshold: int = 0
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
+    secondary_tiers: tuple[FsTierConfig, ...] = field(default_factory=tuple)
+
+
+def parse_config(
+    extra: Mapping[str, Any], *, tiering: bool, check_paths: bool = True
+) -> OffloadConfig:
+    """Validate ``kv_connector_extra_config`` for ``CPUOffloadingSpec`` (``tiering=False``)
+    or ``TieringOffloadingSpec`` (``tiering=True``). Raises ``ConfigError``.
+
+    ``check_paths`` creates and probes each fs tier's ``root_dir``.
+    """
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"kv_connector_extra_config must be a dict, got {type(extra).__name__}")
+    spec = "TieringOffloadingSpec" if tiering else "CPUOffloadingSpec"
+    budget: dict[str, int] = {}
+    if extra.get(PER_RANK_KEY) is not None:
+        budget[PER_RANK_KEY] = _int(PER_RANK_KEY, extra[PER_RANK_KEY], minimum=1)
+    if extra.get(TOTAL_KEY) is not None:
+        budget[TOTAL_KEY] = _int(TOTAL_KEY, extra[TOTAL_KEY], minimum=1)
+    if not budget:
+        raise ConfigError(
+            f"{TOTAL_KEY} is required by {spec}: set it in kv_connector_extra_config to the "
+            "bytes of host memory for all ranks together (for example 8 * (1 << 30)), or set "
+            f"{PER_RANK_KEY} to the bytes for each rank"
+        )
+
+    bpc = extra.get("blocks_per_chunk")
+    bsz = extra.get("block_size")
+    if bpc is not None and bsz is not None:
+        raise ConfigError(
+            "blocks_per_chunk and block_size are mutually exclusive: set blocks_per_chunk "
+            f"(device blocks per offloaded chunk) or block_size (tokens), got {bpc!r} and {bsz!r}"
+        )
+    blocks_per_chunk = _int("blocks_per_chunk", bpc, minimum=1) if bpc is not None else None
+    block_size = _int("block_size", bsz, minimum=1) if bsz is not None else None
+
+    module_path = extra.get("cache_policy_module_path")
+    if module_path is not None and (not isinstance(module_path, str) or not module_path):
+        raise ConfigError(
+            f"cache_policy_module_path must be 'package.module:Class', got {module_path!r}"
+        )
+    policy = extra.get("eviction_policy", "lru")
+    if module_path is None and policy not in EVICTION_POLICIES:
+        raise ConfigError(
+            f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)} (or a class given "
+            f"by cache_policy_module_path), got {policy!r}"
+        )
+    store_threshold = _int("store_threshold", extra.get("store_threshold", 0), minimum=0)
+    if tiering and store_threshold >= 2:
+        raise ConfigError(
+            f"store_threshold={store_threshold} is not supported by TieringOffloadingSpec "
+            "(as in vLLM): every stored block is written through to the secondary tiers. "
+            "Allowed: 0 or 1 (no filter); use CPUOffloadingSpec for an admission filter"
+        )
+    max_tracker_size = _int(
+        "max_tracker_size", extra.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE), minimum=1
+    )
+    if extra.get("canonical_layout"):
+        raise ConfigError(
+            "canonical_layout is not supported by kvtier's offloading specs; remove it "
+            "(allowed: false)"
+        )
+
+    tiers_raw = extra.get("secondary_tiers", [])
+    if tiers_raw is None:
+        tiers_raw = []
+    if not isinstance(tiers_raw, (list, tuple)):
+        raise ConfigError(
+            f"secondary_tiers must be a list of tier dicts like "
+            f'{{"type": "fs", "root_dir": "/path"}}, got {type(tiers_raw).__name__}'
+        )
+    if tiers_raw and not tiering:
+        raise ConfigError(
+            "secondary_tiers is only used by TieringOffloadingSpec; set spec_name to "
+            "TieringOffloadingSpec or remove secondary_tiers"
+        )
+    tiers = tuple(
+        parse_fs_tier(t, f"secondary_tiers[{i}]", check_paths=check_paths)
+        for i, t in enumerate(tiers_raw)
+    )
+    roots = [os.path.realpath(t.root_dir) for t in tiers]
+    if len(set(roots)) != len(roots):
+        raise ConfigError(f"secondary_tiers: two fs tiers share one root_dir ({roots})")
+    return OffloadConfig(
+        budget=budget,
+        blocks_per_chunk=blocks_per_chunk,
+        block_size=block_size,
+        eviction_policy=str(policy),
+        cache_policy_module_path=module_path,
+        store_threshold=store_threshold,
+        max_tracker_size=max_tracker_size,
+        secondary_tiers=tiers,
+    )
+
+
+def parse_fs_tier(raw: Any, where: str, *, check_paths: bool = True) -> FsTierConfig:
+    """Validate one secondary tier entry; ``where`` names it in errors."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where} must be a dict with a 'type' key, got {raw!r}")
+    kind = raw.get("type")
+    if kind not in TIER_TYPES:
+        raise ConfigError(
+            f"{where}.type must be one of {', '.join(TIER_TYPES)} (kvtier's tiers), got {kind!r}"
+        )
+    unknown = sorted(set(raw) - set(_FS_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown} for an fs tier; allowed: {', '.join(_FS_KEYS)}"
+        )
+    root = raw.get("root_dir")
+    if not isinstance(root, str) or not root.strip():
+        raise ConfigError(
+            f"{where}.root_dir is required: a directory path (string) for the tier's files, "
+            f"got {root!r}"
+        )
+    root = os.path.abspath(os.path.expanduser(root))
+    capacity = raw.get("capacity_bytes")
+    locality = str(raw.get("locality") or "LOCAL").upper()
+    if locality not in LOCALITIES:
+        raise ConfigError(f"{where}.locality must be one of {LOCALITIES}, got {locality!r}")
+    cfg = FsTierConfig(
+        root_dir=root,
+        n_read_threads=_int(
+            f"{where}.n_read_threads", raw.get("n_read_threads", DEFAULT_IO_THREADS), minimum=1
+        ),
+        n_write_threads=_int(
+            f"{where}.n_write_threads", raw.get("n_write_threads", DEFAULT_IO_THREADS), minimum=1
+        ),
+        capacity_bytes=(
+            _int(f"{where}.capacity_bytes", capacity, minimum=1) if capacity is not None else None
+        ),
+        enable_kv_events=bool(raw.get("enable_kv_events", True)),
+        locality=locality,
+    )
+    if check_paths:
+        check_directory(cfg.root_dir, f"{where}.root_dir")
+    return cfg
+
+
+def check_directory(path: str, key: str) -> None:
+    """Create ``path`` (mode 0700) if missing and check it is a writable directory."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} exists and is not a directory")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{key}={path!r} cannot be created: {exc.strerror or exc}") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvtier-probe-", dir=path)
+    except OSError as exc:
+        raise ConfigError(
+            f"{key}={path!r} is not writable by this process: {exc.strerror or exc}"
+        ) from None
+    os.close(fd)
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass

@@ -1,0 +1,137 @@
+"""The on-disk format of the fs tier.
+
+Layout under ``root_dir``::
+
+    root_dir/kvtier-kv-v1/<fingerprint: 32 hex>/layout.json     what the fingerprint covers
+    root_dir/kvtier-kv-v1/<fingerprint>/<shard: 1 hex>/<key digest: 32 hex>.kv
+
+One file holds one rank's bytes of one offloaded chunk (host block). Ranks, models,
+dtypes and block shapes never share a directory: each is part of the fingerprint.
+The 16 shard directories are created once, at start-up.
+
+A file is a 4096-byte header, then the payload (the host block's bytes, a multiple
+of 4096 bytes, so O_DIRECT can read and write both in place)::
+
+    offset size  field
+    0      8     magic b"KVTIERKV"
+    8      2     format version (1), little endian
+    10     2     header size (4096)
+    12     2     checksum algorithm (1 = CRC-32 of zlib)
+    14     2     reserved (0)
+    16     16    layout fingerprint (BLAKE2b-128)
+    32     16    key digest (BLAKE2b-128 of the offload key)
+    48     8     payload length in bytes
+    56     4     payload checksum
+    60     4     header checksum (CRC-32 of bytes 0..59)
+    64     4032  zero
+
+Nothing is pickled; names come only from hex digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+MAGIC = b"KVTIERKV"
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+ALIGNMENT = 4096
+CHECKSUM_CRC32 = 1
+FORMAT_DIR = f"kvtier-kv-v{FORMAT_VERSION}"
+NUM_SHARDS = 16
+FILE_SUFFIX = ".kv"
+TMP_PREFIX = ".tmp-"
+_HEADER = struct.Struct("<8sHHHH16s16sQI")
+_HEADER_CRC = struct.Struct("<I")
+HEADER_USED = _HEADER.size + _HEADER_CRC.size  # 64
+
+
+class FormatError(Exception):
+    """A file that is not a valid block file for this layout and key.
+
+    ``kind`` is ``"corrupt"`` (bad magic, version, checksum, fingerprint or key) or
+    ``"truncated"`` (shorter than its header says).
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def key_digest(key: bytes) -> bytes:
+    """16-byte BLAKE2b digest of an offload key: the file's name and header field."""
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def layout_fingerprint(fields: Mapping[str, Any]) -> bytes:
+    """16-byte fingerprint of a KV layout description (JSON-serialisable values)."""
+    text = json.dumps(dict(fields), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def checksum(payload: Any) -> int:
+    """CRC-32 of a bytes-like payload (zlib releases the GIL for large buffers)."""
+    return zlib.crc32(payload) & 0xFFFFFFFF
+
+
+def encode_header(fingerprint: bytes, digest: bytes, payload_len: int, crc: int) -> bytes:
+    """The first ``HEADER_USED`` bytes of a header (the rest of the 4096 are zero)."""
+    head = _HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_SIZE,
+        CHECKSUM_CRC32,
+        0,
+        fingerprint,
+        digest,
+        payload_len,
+        crc,
+    )
+    return head + _HEADER_CRC.pack(zlib.crc32(head) & 0xFFFFFFFF)
+
+
+def decode_header(header: Any, *, fingerprint: bytes, digest: bytes, payload_len: int) -> int:
+    """Check a header against what the reader expects; return the payload checksum.
+
+    Raises ``FormatError("corrupt", ...)`` for any mismatch.
+    """
+    raw = bytes(header[:HEADER_USED])
+    if len(raw) < HEADER_USED:
+        raise FormatError("truncated", f"header of {len(raw)} bytes")
+    head = raw[: _HEADER.size]
+    (stored_header_crc,) = _HEADER_CRC.unpack(raw[_HEADER.size : HEADER_USED])
+    if zlib.crc32(head) & 0xFFFFFFFF != stored_header_crc:
+        raise FormatError("corrupt", "header checksum mismatch")
+    magic, version, hsize, algo, _, fp, dg, plen, crc = _HEADER.unpack(head)
+    if magic != MAGIC:
+        raise FormatError("corrupt", f"bad magic {magic!r}")
+    if version != FORMAT_VERSION or hsize != HEADER_SIZE or algo != CHECKSUM_CRC32:
+        raise FormatError("corrupt", f"unsupported format {version}/{hsize}/{algo}")
+    if fp != fingerprint:
+        raise FormatError("corrupt", "layout fingerprint differs from this engine's")
+    if dg != digest:
+        raise FormatError("corrupt", "file holds another key")
+    if plen != payload_len:
+        raise FormatError("corrupt", f"payload length {plen}, expected {payload_len}")
+    return int(crc)
+
+
+def file_name(digest: bytes) -> tuple[str, str]:
+    """(shard directory, file name) of a key digest."""
+    hexd = digest.hex()
+    return hexd[0], hexd + FILE_SUFFIX
+
+
+def parse_file_name(name: str) -> bytes | None:
+    """The key digest a block file name encodes, or None for any other name."""
+    if len(name) != 32 + len(FILE_SUFFIX) or not name.endswith(FILE_SUFFIX):
+        return None
+    try:
+        return bytes.fromhex(name[:32])
+    except ValueError:
+        return None

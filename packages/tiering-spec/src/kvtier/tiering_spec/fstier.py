@@ -1,0 +1,648 @@
+"""The filesystem tier: host blocks written to and read from files under ``root_dir``.
+
+Runs in the scheduler process. It reads and writes the bytes of host blocks through
+memoryviews of the host region (one per rank), so a promotion lands directly in the
+host block that the worker then copies to the device, and a write reads the host
+block in place: no staging copy. Every byte moves in ``os.preadv``/``os.pwritev``
+and ``zlib.crc32``, all of which release the GIL, on ``n_read_threads`` +
+``n_write_threads`` threads.
+
+Guarantees:
+
+* a file is written to a temporary name and renamed, so no reader (this engine or
+  another one sharing ``root_dir``) ever opens a half-written block file;
+* a file is loaded only if its header matches this engine's layout fingerprint and
+  key and its payload matches the checksum; anything else is a *fault*: counted,
+  logged once per kind, treated as a miss and removed;
+* the tier keeps at most ``capacity_bytes`` of files, dropping the least recently
+  used first; files of an earlier run with the same fingerprint are indexed at
+  start-up and served.
+
+Units: bytes, unless a name says blocks.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.tiering_spec import fsformat
+from kvtier.tiering_spec.config import FsTierConfig
+
+logger = logging.getLogger("kvtier.tiering_spec")
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+FAULT_KINDS = ("corrupt", "truncated", "vanished", "unreadable", "disk_full", "write_failed")
+_STALE_TMP_S = 3600.0
+
+# Indirections that fault-injection tests replace.
+_pwritev = os.pwritev
+_preadv = os.preadv
+_rename = os.rename
+
+
+@dataclass
+class FsResult:
+    """A finished fs job, handed to the manager by ``FileSystemTier.poll``."""
+
+    op: str  # "read" | "write"
+    key: bytes
+    block_id: int
+    ok: bool
+    fault: str | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class FsStats:
+    """Cumulative counters of one fs tier."""
+
+    files_indexed_at_start: int = 0
+    hits: int = 0
+    queries: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    writes: int = 0
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    writes_dropped: int = 0
+    evictions: int = 0
+    used_bytes: int = 0
+    entries: int = 0
+
+
+class _Entry:
+    __slots__ = ("key", "nbytes")
+
+    def __init__(self, nbytes: int, key: bytes | None) -> None:
+        self.nbytes = nbytes
+        self.key = key
+
+
+def probe_o_direct(directory: str) -> bool:
+    """Whether O_DIRECT writes and reads of an aligned 4096-byte block work in ``directory``."""
+    if not O_DIRECT:
+        return False
+    path = os.path.join(directory, f"{fsformat.TMP_PREFIX}odirect-probe-{os.getpid()}")
+    buf = mmap.mmap(-1, fsformat.ALIGNMENT)
+    try:
+        buf[:8] = b"kvtier!!"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o600)
+        try:
+            if os.pwritev(fd, [buf], 0) != fsformat.ALIGNMENT:
+                return False
+            back = mmap.mmap(-1, fsformat.ALIGNMENT)
+            try:
+                ok = os.preadv(fd, [back], 0) == fsformat.ALIGNMENT and back[:8] == b"kvtier!!"
+            finally:
+                back.close()
+            return ok
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+class FileSystemTier:
+    """One fs tier for one engine: an index of the files it may read, and its I/O threads.
+
+    Args:
+        cfg: the validated tier configuration.
+        layouts: one layout description per rank (model, dtype, block shape, rank,
+            world size, ...); each becomes a fingerprint and a directory.
+        payload_bytes: bytes of one rank's host block (a multiple of 4096).
+        region_views: returns one writable 1-D memoryview per rank over that rank's
+            host region (``num_blocks * payload_bytes`` bytes), or None while the
+            region cannot be mapped yet (the tier then neither reads nor writes).
+        name: label in metrics and logs.
+    """
+
+    def __init__(
+        self,
+        cfg: FsTierConfig,
+        layouts: Sequence[Mapping[str, Any]],
+        payload_bytes: int,
+        region_views: Callable[[], Sequence[memoryview] | None],
+        *,
+        name: str = "fs",
+        enable_events: bool = False,
+    ) -> None:
+        if payload_bytes <= 0 or payload_bytes % fsformat.ALIGNMENT:
+            raise ValueError(
+                f"payload_bytes must be a positive multiple of 4096, got {payload_bytes}"
+            )
+        self.cfg = cfg
+        self.name = name
+        self.payload_bytes = payload_bytes
+        self.file_bytes = fsformat.HEADER_SIZE + payload_bytes
+        self.world_size = len(layouts)
+        self.entry_bytes = self.file_bytes * self.world_size
+        self.capacity_bytes = cfg.capacity_bytes
+        self._region_views = region_views
+        self._views: Sequence[memoryview] | None = None
+        self.fingerprints = [fsformat.layout_fingerprint(layout) for layout in layouts]
+        base = os.path.join(cfg.root_dir, fsformat.FORMAT_DIR)
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        self.dirs: list[str] = []
+        for fp, layout in zip(self.fingerprints, layouts):
+            d = os.path.join(base, fp.hex())
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            for shard in range(fsformat.NUM_SHARDS):
+                os.makedirs(os.path.join(d, f"{shard:x}"), mode=0o700, exist_ok=True)
+            desc = os.path.join(d, "layout.json")
+            if not os.path.exists(desc):
+                self._write_small_file(desc, json.dumps(dict(layout), indent=2, sort_keys=True))
+            self.dirs.append(d)
+        self.direct = probe_o_direct(self.dirs[0])
+        self.enable_events = enable_events
+        self._events: list[tuple[bool, list[bytes]]] = []
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._used = 0
+        self._reserved = 0
+        self._reading: dict[bytes, int] = {}
+        self._writing: set[bytes] = set()
+        self._unlinking: dict[bytes, int] = {}
+        self._results: deque[FsResult] = deque()
+        self._inflight = 0
+        self._faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
+        self._fault_logged: set[str] = set()
+        self.stats = FsStats()
+        self._local = threading.local()
+        self._tmp_counter = 0
+        self._tmp_lock = threading.Lock()
+        self._readers = ThreadPoolExecutor(cfg.n_read_threads, thread_name_prefix="kvtier-fs-read")
+        self._writers = ThreadPoolExecutor(
+            cfg.n_write_threads, thread_name_prefix="kvtier-fs-write"
+        )
+        self._closed = False
+        self._scan()
+        logger.info(
+            "kvtier fs tier %r at %s: %s I/O, %d read / %d write threads, capacity %s, "
+            "fingerprint(s) %s, %d entries (%d bytes) from earlier runs indexed",
+            name,
+            cfg.root_dir,
+            "O_DIRECT" if self.direct else "buffered (O_DIRECT refused by the filesystem)",
+            cfg.n_read_threads,
+            cfg.n_write_threads,
+            f"{self.capacity_bytes} bytes" if self.capacity_bytes else "unlimited",
+            ",".join(fp.hex()[:12] for fp in self.fingerprints),
+            len(self._index),
+            self._used,
+        )
+
+    # ----------------------------------------------------------------- start-up
+
+    @staticmethod
+    def _write_small_file(path: str, text: str) -> None:
+        tmp = f"{path}{fsformat.TMP_PREFIX}{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def _scan(self) -> None:
+        """Index the entries every rank has a file for, oldest first; drop stale temp files."""
+        now = time.time()
+        per_rank: list[dict[bytes, float]] = []
+        for d in self.dirs:
+            found: dict[bytes, float] = {}
+            for shard in range(fsformat.NUM_SHARDS):
+                sd = os.path.join(d, f"{shard:x}")
+                try:
+                    it = os.scandir(sd)
+                except OSError:
+                    continue
+                with it:
+                    for entry in it:
+                        if entry.name.startswith(fsformat.TMP_PREFIX):
+                            try:
+                                if now - entry.stat().st_mtime > _STALE_TMP_S:
+                                    os.unlink(entry.path)
+                            except OSError:
+                                pass
+                            continue
+                        digest = fsformat.parse_file_name(entry.name)
+                        if digest is None:
+                            continue
+                        try:
+                            st = entry.stat()
+                        except OSError:
+                            continue
+                        if st.st_size == self.file_bytes:
+                            found[digest] = st.st_mtime
+            per_rank.append(found)
+        common = set(per_rank[0])
+        for found in per_rank[1:]:
+            common &= set(found)
+        for digest in sorted(common, key=per_rank[0].__getitem__):
+            self._index[digest] = _Entry(self.entry_bytes, None)
+            self._used += self.entry_bytes
+        self.stats.files_indexed_at_start = len(self._index)
+        if self.capacity_bytes is not None:
+            self._make_room(0)
+
+    # ----------------------------------------------------------------- paths
+
+    def paths(self, digest: bytes) -> list[str]:
+        """One file path per rank for a key digest."""
+        shard, name = fsformat.file_name(digest)
+        return [os.path.join(d, shard, name) for d in self.dirs]
+
+    def _views_now(self) -> Sequence[memoryview] | None:
+        if self._views is None:
+            self._views = self._region_views()
+        return self._views
+
+    # ----------------------------------------------------------------- queries
+
+    def contains(self, digest: bytes) -> bool:
+        """Whether the tier holds ``digest``: indexed, or on disk for every rank
+        (written by another engine sharing ``root_dir`` since start-up)."""
+        self.stats.queries += 1
+        if digest in self._index:
+            self.stats.hits += 1
+            return True
+        if digest in self._writing or digest in self._unlinking:
+            return False
+        paths = self.paths(digest)
+        try:
+            if not all(os.stat(p).st_size == self.file_bytes for p in paths):
+                return False
+        except OSError:
+            return False
+        self._index[digest] = _Entry(self.entry_bytes, None)
+        self._used += self.entry_bytes
+        self._make_room(0, protect=digest)
+        if digest not in self._index:
+            return False
+        self.stats.hits += 1
+        return True
+
+    def has(self, digest: bytes) -> bool:
+        """Indexed or being written (no disk access, no counters)."""
+        return digest in self._index or digest in self._writing
+
+    def touch(self, digests: Sequence[bytes]) -> None:
+        index = self._index
+        for digest in reversed(digests):
+            if digest in index:
+                index.move_to_end(digest)
+
+    @property
+    def in_flight(self) -> int:
+        return self._inflight
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def faults(self) -> dict[str, int]:
+        return dict(self._faults)
+
+    # ----------------------------------------------------------------- capacity
+
+    def _make_room(self, nbytes: int, protect: bytes | None = None) -> bool:
+        """Evict least recently used entries (never ones being read) until ``nbytes``
+        more fit. False, evicting nothing more, when that is impossible."""
+        cap = self.capacity_bytes
+        if cap is None:
+            return True
+        if nbytes > cap:
+            return False
+        victims: list[bytes] = []
+        need = self._used + self._reserved + nbytes - cap
+        if need > 0:
+            for digest, entry in self._index.items():
+                if digest in self._reading or digest == protect:
+                    continue
+                victims.append(digest)
+                need -= entry.nbytes
+                if need <= 0:
+                    break
+            if need > 0:
+                return False
+        removed_keys: list[bytes] = []
+        for digest in victims:
+            entry = self._index.pop(digest)
+            self._used -= entry.nbytes
+            self.stats.evictions += 1
+            if entry.key is not None:
+                removed_keys.append(entry.key)
+            self._unlink(digest)
+        if removed_keys and self.enable_events:
+            self._events.append((True, removed_keys))
+        return True
+
+    def _forget(self, digest: bytes, key: bytes | None, unlink: bool) -> None:
+        entry = self._index.pop(digest, None)
+        if entry is not None:
+            self._used -= entry.nbytes
+            if self.enable_events and (entry.key or key):
+                self._events.append((True, [entry.key or key]))  # type: ignore[list-item]
+        if unlink:
+            self._unlink(digest)
+
+    def _unlink(self, digest: bytes) -> None:
+        # A digest being unlinked is neither written nor discovered until the unlink
+        # ran, so the unlink cannot remove a newer file of the same name.
+        self._unlinking[digest] = self._unlinking.get(digest, 0) + 1
+        self._submit(self._writers, self._unlink_task, digest, self.paths(digest))
+
+    # ----------------------------------------------------------------- jobs
+
+    def _submit(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> None:
+        if self._closed:
+            return
+        self._inflight += 1
+        pool.submit(fn, *args)
+
+    def submit_write(self, key: bytes, digest: bytes, block_id: int) -> bool:
+        """Write host block ``block_id`` (all ranks) as ``key``. False if not submitted:
+        already present, no room under ``capacity_bytes``, or the region is not mapped."""
+        if (
+            digest in self._index
+            or digest in self._writing
+            or digest in self._unlinking
+            or self._closed
+        ):
+            return False
+        views = self._views_now()
+        if views is None:
+            self.stats.writes_dropped += 1
+            return False
+        if not self._make_room(self.entry_bytes):
+            self.stats.writes_dropped += 1
+            return False
+        self._reserved += self.entry_bytes
+        self._writing.add(digest)
+        self._submit(self._writers, self._write_task, key, digest, block_id, views)
+        return True
+
+    def submit_read(self, key: bytes, digest: bytes, block_id: int) -> bool:
+        """Read ``key``'s files into host block ``block_id``. False if not submitted."""
+        if digest not in self._index or self._closed:
+            return False
+        views = self._views_now()
+        if views is None:
+            return False
+        self._reading[digest] = self._reading.get(digest, 0) + 1
+        self._index.move_to_end(digest)
+        self._submit(self._readers, self._read_task, key, digest, block_id, views)
+        return True
+
+    def poll(self) -> list[FsResult]:
+        """Finished jobs since the last call; updates the index and counters."""
+        out: list[FsResult] = []
+        results = self._results
+        while results:
+            res = results.popleft()
+            self._inflight -= 1
+            if res.op == "unlink":
+                digest = res.key
+                count = self._unlinking.get(digest, 0) - 1
+                if count > 0:
+                    self._unlinking[digest] = count
+                else:
+                    self._unlinking.pop(digest, None)
+                continue
+            digest = fsformat.key_digest(res.key)
+            if res.op == "write":
+                self._writing.discard(digest)
+                self._reserved -= self.entry_bytes
+                if res.ok:
+                    self._index[digest] = _Entry(self.entry_bytes, res.key)
+                    self._used += self.entry_bytes
+                    self.stats.writes += 1
+                    self.stats.write_bytes += res.nbytes
+                    self.stats.write_seconds += res.seconds
+                    if self.enable_events:
+                        self._events.append((False, [res.key]))
+                else:
+                    self._fault(res.fault or "write_failed", res)
+            else:
+                count = self._reading.get(digest, 0) - 1
+                if count > 0:
+                    self._reading[digest] = count
+                else:
+                    self._reading.pop(digest, None)
+                if res.ok:
+                    self.stats.reads += 1
+                    self.stats.read_bytes += res.nbytes
+                    self.stats.read_seconds += res.seconds
+                else:
+                    self._fault(res.fault or "unreadable", res)
+                    # A bad file is removed so it is never tried again; an unreadable
+                    # one may be another process's, so it is only forgotten.
+                    self._forget(digest, res.key, unlink=res.fault in ("corrupt", "truncated"))
+            out.append(res)
+        self.stats.used_bytes = self._used
+        self.stats.entries = len(self._index)
+        return out
+
+    def _fault(self, kind: str, res: FsResult) -> None:
+        self._faults[kind] = self._faults.get(kind, 0) + 1
+        if kind not in self._fault_logged:
+            self._fault_logged.add(kind)
+            logger.warning(
+                "kvtier fs tier %r: %s %s of block file for key %s failed (%s); treated as a "
+                "miss, never loaded. Further faults of this kind are only counted "
+                "(metric kvtier:kv_offload_fs_faults{kind=%r}).",
+                self.name,
+                "read" if res.op == "read" else "write",
+                "" if res.op == "read" else "(dropped)",
+                fsformat.key_digest(res.key).hex(),
+                kind,
+                kind,
+            )
+
+    def take_events(self) -> list[tuple[bool, list[bytes]]]:
+        """(removed, keys) pairs since the last call (empty unless events are enabled)."""
+        events, self._events = self._events, []
+        return events
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until every submitted job finished (then ``poll`` collects them)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._inflight - len(self._results) > 0:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
+        self.poll()
+        self._views = None
+
+    # ----------------------------------------------------------------- I/O threads
+
+    def _header_buffer(self) -> mmap.mmap:
+        buf = getattr(self._local, "hdr", None)
+        if buf is None:
+            buf = mmap.mmap(-1, fsformat.HEADER_SIZE)  # page aligned, zero filled
+            self._local.hdr = buf
+        return buf
+
+    def _payload(self, views: Sequence[memoryview], rank: int, block_id: int) -> memoryview:
+        start = block_id * self.payload_bytes
+        return views[rank][start : start + self.payload_bytes]
+
+    def _tmp_name(self, directory: str) -> str:
+        with self._tmp_lock:
+            self._tmp_counter += 1
+            n = self._tmp_counter
+        return os.path.join(
+            directory, f"{fsformat.TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{n}"
+        )
+
+    def _write_task(
+        self, key: bytes, digest: bytes, block_id: int, views: Sequence[memoryview]
+    ) -> None:
+        t0 = time.perf_counter()
+        done: list[str] = []
+        fault: str | None = None
+        try:
+            for rank, path in enumerate(self.paths(digest)):
+                self._write_file(
+                    path, self.fingerprints[rank], digest, self._payload(views, rank, block_id)
+                )
+                done.append(path)
+        except OSError as exc:
+            fault = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "write_failed"
+        except Exception:
+            fault = "write_failed"
+        if fault is not None:
+            for path in done:  # an entry is all ranks or nothing
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        self._results.append(
+            FsResult(
+                "write",
+                key,
+                block_id,
+                fault is None,
+                fault,
+                self.entry_bytes if fault is None else 0,
+                time.perf_counter() - t0,
+            )
+        )
+
+    def _write_file(
+        self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview
+    ) -> None:
+        hdr = self._header_buffer()
+        crc = fsformat.checksum(payload)
+        hdr[: fsformat.HEADER_USED] = fsformat.encode_header(
+            fingerprint, digest, self.payload_bytes, crc
+        )
+        tmp = self._tmp_name(os.path.dirname(path))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if self.direct else 0)
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            try:
+                total = self.file_bytes
+                written = _pwritev(fd, [hdr, payload], 0)
+                while written < total:  # short writes: continue where it stopped
+                    if written < fsformat.HEADER_SIZE:
+                        raise OSError(errno.EIO, "short header write")
+                    n = _pwritev(fd, [payload[written - fsformat.HEADER_SIZE :]], written)
+                    if n <= 0:
+                        raise OSError(errno.EIO, "pwritev wrote nothing")
+                    written += n
+            finally:
+                os.close(fd)
+            _rename(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def _read_task(
+        self, key: bytes, digest: bytes, block_id: int, views: Sequence[memoryview]
+    ) -> None:
+        t0 = time.perf_counter()
+        fault: str | None = None
+        try:
+            for rank, path in enumerate(self.paths(digest)):
+                self._read_file(
+                    path, self.fingerprints[rank], digest, self._payload(views, rank, block_id)
+                )
+        except fsformat.FormatError as exc:
+            fault = exc.kind
+        except FileNotFoundError:
+            fault = "vanished"
+        except OSError:
+            fault = "unreadable"
+        except Exception:
+            fault = "unreadable"
+        self._results.append(
+            FsResult(
+                "read",
+                key,
+                block_id,
+                fault is None,
+                fault,
+                self.entry_bytes if fault is None else 0,
+                time.perf_counter() - t0,
+            )
+        )
+
+    def _read_file(self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview) -> None:
+        hdr = self._header_buffer()
+        fd = os.open(path, os.O_RDONLY | (O_DIRECT if self.direct else 0))
+        try:
+            size = os.fstat(fd).st_size
+            if size < self.file_bytes:
+                raise fsformat.FormatError("truncated", f"{size} bytes, expected {self.file_bytes}")
+            if size > self.file_bytes:
+                raise fsformat.FormatError("corrupt", f"{size} bytes, expected {self.file_bytes}")
+            got = _preadv(fd, [hdr, payload], 0)
+            while got < self.file_bytes:
+                if got < fsformat.HEADER_SIZE:
+                    raise fsformat.FormatError("truncated", "short header read")
+                n = _preadv(fd, [payload[got - fsformat.HEADER_SIZE :]], got)
+                if n <= 0:
+                    raise fsformat.FormatError("truncated", f"{got} of {self.file_bytes} bytes")
+                got += n
+        finally:
+            os.close(fd)
+        crc = fsformat.decode_header(
+            hdr, fingerprint=fingerprint, digest=digest, payload_len=self.payload_bytes
+        )
+        if fsformat.checksum(payload) != crc:
+            raise fsformat.FormatError("corrupt", "payload checksum mismatch")
+
+    def _unlink_task(self, digest: bytes, paths: list[str]) -> None:
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self._results.append(FsResult("unlink", digest, -1, True))

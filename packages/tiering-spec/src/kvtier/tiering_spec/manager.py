@@ -1,0 +1,275 @@
+"""The scheduler-side manager: a host tier (kvtier-blockpool) in front of fs tiers.
+
+No vLLM import: ``vllm_adapter`` maps vLLM's ``OffloadingManager`` calls onto this.
+Keys are vLLM's offload keys (``bytes``); one key is one host block (an offloaded
+chunk of ``blocks_per_chunk`` device blocks).
+
+Flow:
+
+* a device store: ``prepare_store`` reserves host blocks, the worker copies, then
+  ``complete_store`` makes them readable and *writes them through* to each fs tier
+  (the host blocks stay read-pinned until their files are written);
+* a lookup that misses the host tier but hits an fs tier reserves a host block and
+  reads the file into it (a *promotion*); the key reads ``HIT_PENDING`` until the
+  read finished, then ``HIT``, or ``MISS`` if the file was bad;
+* host eviction needs no I/O: an evicted block is already on disk (write-through),
+  so the pool may reuse it at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.blockpool import HostBlockPool, PoolStats
+from kvtier.tiering_spec.fsformat import key_digest
+from kvtier.tiering_spec.fstier import FileSystemTier
+
+logger = logging.getLogger("kvtier.tiering_spec")
+
+_MAX_LOAD_SOURCES = 100_000
+
+
+class Lookup(enum.Enum):
+    MISS = 0
+    HIT = 1
+    HIT_PENDING = 2
+
+
+@dataclass
+class TierCounters:
+    """Cumulative counters of the manager (blocks unless named otherwise)."""
+
+    host_queries: int = 0
+    host_hits: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    promotion_allocation_failures: int = 0
+    writes_submitted: int = 0
+    writes_dropped: int = 0
+    write_failures: int = 0
+    allocation_sizes: list[int] = field(default_factory=list)
+
+
+class TierManager:
+    """Host block pool plus secondary fs tiers, for one engine's scheduler.
+
+    Args:
+        pool: the host tier's block pool (capacity = host blocks).
+        fs_tiers: secondary tiers, searched in order on a host miss.
+        max_write_backlog: host blocks that may be pinned waiting for fs writes;
+            beyond it new write-throughs are dropped (counted). Default: half the pool.
+    """
+
+    def __init__(
+        self,
+        pool: HostBlockPool,
+        fs_tiers: Sequence[FileSystemTier] = (),
+        *,
+        max_write_backlog: int | None = None,
+    ) -> None:
+        self.pool = pool
+        self.fs_tiers = list(fs_tiers)
+        self.max_write_backlog = (
+            max_write_backlog if max_write_backlog is not None else max(1, pool.num_blocks // 2)
+        )
+        self.counters = TierCounters()
+        self._promoting: dict[bytes, int] = {}  # key -> tier index
+        self._write_pins: dict[bytes, int] = {}  # key -> fs writes reading its host block
+        self._num_write_pins = 0
+        self._load_sources: OrderedDict[bytes, str] = OrderedDict()
+        # Keys a request's current lookup pass found, protected from eviction by the
+        # promotions of the same pass (else a long prefix evicts its own head).
+        self._pass_req: str | None = None
+        self._pass_keys: list[bytes] = []
+
+    # ------------------------------------------------------------------ lookups
+
+    def lookup(self, key: bytes, req_id: str = "") -> Lookup:
+        """Whether ``key`` can be loaded now (HIT), soon (HIT_PENDING) or not (MISS).
+
+        A host miss that an fs tier holds starts a promotion and reads HIT_PENDING.
+        """
+        if self._pass_req != req_id:
+            self._pass_req = req_id
+            self._pass_keys = []
+        self.poll()
+        pool = self.pool
+        self.counters.host_queries += 1
+        if pool.contains(key):
+            self.counters.host_hits += 1
+            self._pass_keys.append(key)
+            return Lookup.HIT
+        if pool.is_storing(key):
+            self._pass_keys.append(key)
+            return Lookup.HIT_PENDING
+        if not self.fs_tiers:
+            return Lookup.MISS
+        digest = key_digest(key)
+        for idx, tier in enumerate(self.fs_tiers):
+            if not tier.contains(digest):
+                continue
+            # Only cached keys are protected; naming any other would reserve a block for it.
+            protect = [k for k in self._pass_keys if pool.contains(k)]
+            plan = pool.prepare_store([*protect, key])
+            if plan is None or not plan.keys:
+                self.counters.promotion_allocation_failures += 1
+                return Lookup.MISS
+            if not tier.submit_read(key, digest, plan.block_ids[0]):
+                pool.complete_store(plan.keys, success=False)
+                return Lookup.MISS
+            self._promoting[key] = idx
+            self.counters.promotions += 1
+            self._load_sources[key] = tier.name
+            if len(self._load_sources) > _MAX_LOAD_SOURCES:
+                self._load_sources.popitem(last=False)
+            self._pass_keys.append(key)
+            return Lookup.HIT_PENDING
+        return Lookup.MISS
+
+    def load_source(self, key: bytes) -> str:
+        """``"host"``, or the fs tier's name when the key was promoted from it."""
+        return self._load_sources.get(key, "host")
+
+    # ------------------------------------------------------------------ device loads
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin the host blocks of ``keys`` (all HIT) for a device load; their ids."""
+        return self.pool.prepare_load(keys)
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        self.pool.complete_load(keys)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.pool.touch(keys)
+        if self.fs_tiers:
+            digests = [key_digest(k) for k in keys]
+            for tier in self.fs_tiers:
+                tier.touch(digests)
+
+    # ------------------------------------------------------------------ device stores
+
+    def prepare_store(
+        self, keys: Sequence[bytes]
+    ) -> tuple[list[bytes], list[int], list[bytes]] | None:
+        """Reserve host blocks for the new ``keys``: (keys to store, their blocks, evicted
+        keys), or None when no room can be made."""
+        self.poll()
+        pool = self.pool
+        if pool.filter is not None:
+            # vLLM 0.32 counts offers for storage, not lookups, toward store_threshold.
+            pool.filter.record(keys)
+        plan = pool.prepare_store(keys)
+        if plan is None:
+            return None
+        if plan.keys:
+            self.counters.allocation_sizes.append(len(plan.keys))
+        return plan.keys, plan.block_ids, plan.evicted
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        """Finish a device store; on success write the new blocks through to each fs tier."""
+        self.pool.complete_store(keys, success)
+        if success and self.fs_tiers:
+            self._write_through(keys)
+
+    def _write_through(self, keys: Sequence[bytes]) -> None:
+        pool = self.pool
+        for tier in self.fs_tiers:
+            for key in keys:
+                if not pool.contains(key):
+                    continue
+                digest = key_digest(key)
+                if tier.has(digest):
+                    continue
+                if self._num_write_pins >= self.max_write_backlog:
+                    self.counters.writes_dropped += 1
+                    continue
+                block = pool.prepare_load([key])[0]
+                if tier.submit_write(key, digest, block):
+                    self._write_pins[key] = self._write_pins.get(key, 0) + 1
+                    self._num_write_pins += 1
+                    self.counters.writes_submitted += 1
+                else:
+                    pool.complete_load([key])
+
+    # ------------------------------------------------------------------ completion
+
+    def poll(self) -> None:
+        """Apply finished fs reads and writes to the host tier."""
+        pool = self.pool
+        for tier in self.fs_tiers:
+            if not tier.in_flight:
+                continue
+            for res in tier.poll():
+                if res.op == "read":
+                    if self._promoting.pop(res.key, None) is None:
+                        continue
+                    pool.complete_store([res.key], success=res.ok)
+                    if not res.ok:
+                        self.counters.promotion_failures += 1
+                        self._load_sources.pop(res.key, None)
+                elif res.op == "write":
+                    count = self._write_pins.get(res.key, 0)
+                    if count:
+                        if count == 1:
+                            del self._write_pins[res.key]
+                        else:
+                            self._write_pins[res.key] = count - 1
+                        self._num_write_pins -= 1
+                        pool.complete_load([res.key])
+                    if not res.ok:
+                        self.counters.write_failures += 1
+
+    def end_step(self) -> None:
+        """Once per scheduler step: apply completions, forget the lookup pass."""
+        self.poll()
+        self._pass_req = None
+        self._pass_keys = []
+
+    def has_pending_work(self) -> bool:
+        """Whether fs jobs are in flight (the engine must keep stepping to finish them)."""
+        return any(t.in_flight for t in self.fs_tiers)
+
+    def drain(self) -> None:
+        for tier in self.fs_tiers:
+            tier.drain()
+        self.poll()
+
+    def reset(self, new_pool: HostBlockPool) -> None:
+        """Drop the host tier (after every fs job finished); fs files are kept."""
+        self.drain()
+        self.pool = new_pool
+        self._promoting.clear()
+        self._write_pins.clear()
+        self._num_write_pins = 0
+        self._load_sources.clear()
+        self._pass_req = None
+        self._pass_keys = []
+
+    def shutdown(self) -> None:
+        for tier in self.fs_tiers:
+            try:
+                tier.shutdown()
+            except Exception:
+                logger.exception("kvtier: shutting down fs tier %r failed", tier.name)
+
+    # ------------------------------------------------------------------ introspection
+
+    def pool_stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def take_allocation_sizes(self) -> list[int]:
+        sizes, self.counters.allocation_sizes = self.counters.allocation_sizes, []
+        return sizes
+
+    @property
+    def write_pinned_blocks(self) -> int:
+        """Host blocks pinned by fs writes in flight."""
+        return self._num_write_pins
+
+    @property
+    def promoting_blocks(self) -> int:
+        return len(self._promoting)

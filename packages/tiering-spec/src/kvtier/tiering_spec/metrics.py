@@ -1,0 +1,302 @@
+"""Metric names, meanings and values of kvtier's specs (no vLLM import).
+
+The host-tier names and meanings are vLLM's ``CPUOffloadingSpec`` ones; the tiering
+names are vLLM's ``TieringOffloadingMetrics`` ones; kvtier adds ``kvtier:`` metrics
+for what vLLM has no name for (fs faults, fs bytes held). Every name emitted by
+:class:`MetricsEmitter` is declared in :func:`metric_table`, as vLLM requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from kvtier.blockpool import ALLOCATION_BUCKETS
+from kvtier.tiering_spec.fstier import FAULT_KINDS
+from kvtier.tiering_spec.manager import TierManager
+
+CPU_CACHE_USAGE_PERC = "vllm:kv_offload_cpu_cache_usage_perc"
+CPU_CACHE_WRITE_USAGE_PERC = "vllm:kv_offload_cpu_cache_write_usage_perc"
+CPU_CACHE_READ_USAGE_PERC = "vllm:kv_offload_cpu_cache_read_usage_perc"
+CPU_ALLOCATION_SIZE = "vllm:kv_offload_cpu_allocation_size"
+STORES_SKIPPED = "vllm:kv_offload_stores_skipped"
+HOST_QUERIES = "kvtier:kv_offload_host_queries"
+HOST_HITS = "kvtier:kv_offload_host_hits"
+
+CHUNK_QUERIES = "vllm:kv_offload_tiering_chunk_queries"
+CHUNK_HITS = "vllm:kv_offload_tiering_chunk_hits"
+READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
+READ_TIME = "vllm:kv_offload_tiering_read_time"
+WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+WRITE_TIME = "vllm:kv_offload_tiering_write_time"
+PROMOTION_JOB_FAILURES = "vllm:kv_offload_tiering_promotion_job_failures"
+CASCADE_JOB_FAILURES = "vllm:kv_offload_tiering_cascade_job_failures"
+PROMOTION_ALLOCATION_FAILURES = "vllm:kv_offload_tiering_promotion_allocation_failures"
+ACTIVE_PROMOTION_JOBS = "vllm:kv_offload_tiering_active_promotion_jobs"
+ACTIVE_CASCADE_JOBS = "vllm:kv_offload_tiering_active_cascade_jobs"
+PRIMARY_WRITE_USAGE_PERC = "vllm:kv_offload_tiering_primary_write_usage_perc"
+PRIMARY_READ_USAGE_PERC = "vllm:kv_offload_tiering_primary_read_usage_perc"
+STORES_DROPPED = "vllm:kv_offload_tiering_backpressure_stores_dropped"
+FS_FAULTS = "kvtier:kv_offload_fs_faults"
+FS_USED_BYTES = "kvtier:kv_offload_fs_used_bytes"
+FS_EVICTIONS = "kvtier:kv_offload_fs_evictions"
+
+MetricRow = tuple[str, str, tuple[str, ...], tuple[float, ...] | None]
+
+
+def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str, MetricRow]:
+    """name -> (kind, documentation, label names, histogram buckets)."""
+    t: dict[str, MetricRow] = {
+        CPU_CACHE_USAGE_PERC: (
+            "gauge",
+            "Fraction of CPU KV-cache space currently pinned by active transfers (0.0 = idle, "
+            "1.0 = saturated). Sustained high values indicate transfers (stores or promotions) "
+            "may be dropped due to insufficient capacity.",
+            (),
+            None,
+        ),
+        CPU_CACHE_WRITE_USAGE_PERC: (
+            "gauge",
+            "Fraction of CPU KV-cache space currently pinned by in-flight stores that have not "
+            "yet completed (0.0 = idle, 1.0 = saturated).",
+            (),
+            None,
+        ),
+        CPU_CACHE_READ_USAGE_PERC: (
+            "gauge",
+            "Fraction of CPU KV-cache space currently pinned by in-flight loads that have not "
+            "yet completed (0.0 = idle, 1.0 = saturated).",
+            (),
+            None,
+        ),
+        CPU_ALLOCATION_SIZE: (
+            "histogram",
+            "Histogram of the number of CPU blocks requested by each KV offload prepare_store "
+            "call.",
+            (),
+            tuple(float(b) for b in ALLOCATION_BUCKETS),
+        ),
+        HOST_QUERIES: (
+            "counter",
+            "Offloaded-block lookups answered by kvtier's host tier.",
+            (),
+            None,
+        ),
+        HOST_HITS: (
+            "counter",
+            "Offloaded-block lookups that found the block readable in kvtier's host tier.",
+            (),
+            None,
+        ),
+    }
+    try:
+        threshold = int(extra_config.get("store_threshold", 0) or 0)
+    except (TypeError, ValueError):
+        threshold = 0
+    if threshold >= 2:
+        t[STORES_SKIPPED] = (
+            "counter",
+            "Number of KV offload stores skipped because the reuse threshold was not reached.",
+            (),
+            None,
+        )
+    if not tiering:
+        return t
+    tier = ("tier",)
+    t.update(
+        {
+            CHUNK_QUERIES: (
+                "counter",
+                "Number of chunk lookup queries sent to a tier, labeled by tier.",
+                tier,
+                None,
+            ),
+            CHUNK_HITS: (
+                "counter",
+                "Number of chunk lookup hits in a tier, labeled by tier.",
+                tier,
+                None,
+            ),
+            READ_BYTES: (
+                "counter",
+                "Total bytes read from secondary tiers into the primary tier, labeled by tier.",
+                tier,
+                None,
+            ),
+            READ_TIME: (
+                "counter",
+                "Total time spent reading from secondary tiers into the primary tier, in "
+                "seconds, labeled by tier.",
+                tier,
+                None,
+            ),
+            WRITE_BYTES: (
+                "counter",
+                "Total bytes written from the primary tier to secondary tiers, labeled by tier.",
+                tier,
+                None,
+            ),
+            WRITE_TIME: (
+                "counter",
+                "Total time spent writing from the primary tier to secondary tiers, in seconds, "
+                "labeled by tier.",
+                tier,
+                None,
+            ),
+            PROMOTION_JOB_FAILURES: (
+                "counter",
+                "Number of failed secondary-tier promotion jobs, labeled by tier.",
+                tier,
+                None,
+            ),
+            CASCADE_JOB_FAILURES: (
+                "counter",
+                "Number of failed secondary-tier cascade jobs, labeled by tier.",
+                tier,
+                None,
+            ),
+            PROMOTION_ALLOCATION_FAILURES: (
+                "counter",
+                "Number of promotion attempts that failed because the primary tier could not "
+                "allocate space.",
+                (),
+                None,
+            ),
+            ACTIVE_PROMOTION_JOBS: (
+                "gauge",
+                "Number of active secondary-tier promotion jobs, labeled by tier.",
+                tier,
+                None,
+            ),
+            ACTIVE_CASCADE_JOBS: (
+                "gauge",
+                "Number of active secondary-tier cascade jobs, labeled by tier.",
+                tier,
+                None,
+            ),
+            PRIMARY_WRITE_USAGE_PERC: (
+                "gauge",
+                "Current fraction of primary-tier space used by writes from secondary tiers, "
+                "labeled by tier.",
+                tier,
+                None,
+            ),
+            PRIMARY_READ_USAGE_PERC: (
+                "gauge",
+                "Current fraction of primary-tier space used by reads to secondary tiers, "
+                "labeled by tier.",
+                tier,
+                None,
+            ),
+            STORES_DROPPED: (
+                "counter",
+                "Number of store operations dropped due to back-pressure on a secondary tier.",
+                tier,
+                None,
+            ),
+            FS_FAULTS: (
+                "counter",
+                "Block files of an fs tier that failed to read or write (kind: corrupt, "
+                "truncated, vanished, unreadable, disk_full, write_failed); each was treated "
+                "as a miss and never loaded.",
+                ("tier", "kind"),
+                None,
+            ),
+            FS_USED_BYTES: (
+                "gauge",
+                "Bytes of block files an fs tier holds for this engine.",
+                tier,
+                None,
+            ),
+            FS_EVICTIONS: (
+                "counter",
+                "Entries an fs tier removed to stay within capacity_bytes, labeled by tier.",
+                tier,
+                None,
+            ),
+        }
+    )
+    return t
+
+
+class MetricsEmitter:
+    """Turns a :class:`TierManager`'s cumulative counters into per-interval values."""
+
+    def __init__(self, core: TierManager, *, tiering: bool) -> None:
+        self.core = core
+        self.tiering = tiering
+        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def _delta(self, name: str, labels: tuple[str, ...], total: float) -> float:
+        key = (name, labels)
+        prev = self._last.get(key, 0)
+        self._last[key] = total
+        return total - prev
+
+    def collect(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
+        """(kind, name, value, label values); counters are increments since the last call."""
+        core = self.core
+        st = core.pool_stats()
+        cap = st.capacity or 1
+        write = st.storing / cap
+        read = min(st.read_pinned, st.capacity) / cap
+        yield "gauge", CPU_CACHE_USAGE_PERC, min(1.0, write + read), ()
+        yield "gauge", CPU_CACHE_WRITE_USAGE_PERC, write, ()
+        yield "gauge", CPU_CACHE_READ_USAGE_PERC, read, ()
+        for size in core.take_allocation_sizes():
+            yield "histogram", CPU_ALLOCATION_SIZE, size, ()
+        c = core.counters
+        yield "counter", HOST_QUERIES, self._delta(HOST_QUERIES, (), c.host_queries), ()
+        yield "counter", HOST_HITS, self._delta(HOST_HITS, (), c.host_hits), ()
+        if core.pool.filter is not None:
+            yield "counter", STORES_SKIPPED, self._delta(STORES_SKIPPED, (), st.stores_skipped), ()
+        if not self.tiering:
+            return
+        yield (
+            "counter",
+            PROMOTION_ALLOCATION_FAILURES,
+            self._delta(PROMOTION_ALLOCATION_FAILURES, (), c.promotion_allocation_failures),
+            (),
+        )
+        host = ("CPU",)
+        yield "counter", CHUNK_QUERIES, self._delta(CHUNK_QUERIES, host, c.host_queries), host
+        yield "counter", CHUNK_HITS, self._delta(CHUNK_HITS, host, c.host_hits), host
+        for tier in core.fs_tiers:
+            lab = (tier.name,)
+            s = tier.stats
+            faults = tier.faults()
+            yield "counter", CHUNK_QUERIES, self._delta(CHUNK_QUERIES, lab, s.queries), lab
+            yield "counter", CHUNK_HITS, self._delta(CHUNK_HITS, lab, s.hits), lab
+            yield "counter", READ_BYTES, self._delta(READ_BYTES, lab, s.read_bytes), lab
+            yield "counter", READ_TIME, self._delta(READ_TIME, lab, s.read_seconds), lab
+            yield "counter", WRITE_BYTES, self._delta(WRITE_BYTES, lab, s.write_bytes), lab
+            yield "counter", WRITE_TIME, self._delta(WRITE_TIME, lab, s.write_seconds), lab
+            read_faults = sum(faults[k] for k in ("corrupt", "truncated", "vanished", "unreadable"))
+            write_faults = faults["disk_full"] + faults["write_failed"]
+            yield (
+                "counter",
+                PROMOTION_JOB_FAILURES,
+                self._delta(PROMOTION_JOB_FAILURES, lab, read_faults),
+                lab,
+            )
+            yield (
+                "counter",
+                CASCADE_JOB_FAILURES,
+                self._delta(CASCADE_JOB_FAILURES, lab, write_faults),
+                lab,
+            )
+            yield (
+                "counter",
+                STORES_DROPPED,
+                self._delta(STORES_DROPPED, lab, s.writes_dropped + c.writes_dropped),
+                lab,
+            )
+            yield "counter", FS_EVICTIONS, self._delta(FS_EVICTIONS, lab, s.evictions), lab
+            for kind in FAULT_KINDS:
+                fl = (tier.name, kind)
+                yield "counter", FS_FAULTS, self._delta(FS_FAULTS, fl, faults[kind]), fl
+            yield "gauge", FS_USED_BYTES, tier.used_bytes, lab
+            yield "gauge", ACTIVE_PROMOTION_JOBS, core.promoting_blocks, lab
+            yield "gauge", ACTIVE_CASCADE_JOBS, core.write_pinned_blocks, lab
+            yield "gauge", PRIMARY_WRITE_USAGE_PERC, core.promoting_blocks / cap, lab
+            yield "gauge", PRIMARY_READ_USAGE_PERC, core.write_pinned_blocks / cap, lab
