@@ -466,7 +466,7 @@ class FileSystemTier:
             logger.warning(
                 "kvtier fs tier %r: %s %s of block file for key %s failed (%s); treated as a "
                 "miss, never loaded. Further faults of this kind are only counted "
-                "(metric kvtier:kv_offload_fs_faults{kind=%r}).",
+                "(metric vllm:kvtier_fs_faults{kind=%r}).",
                 self.name,
                 "read" if res.op == "read" else "write",
                 "" if res.op == "read" else "(dropped)",

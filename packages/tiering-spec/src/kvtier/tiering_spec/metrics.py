@@ -20,8 +20,8 @@ CPU_CACHE_WRITE_USAGE_PERC = "vllm:kv_offload_cpu_cache_write_usage_perc"
 CPU_CACHE_READ_USAGE_PERC = "vllm:kv_offload_cpu_cache_read_usage_perc"
 CPU_ALLOCATION_SIZE = "vllm:kv_offload_cpu_allocation_size"
 STORES_SKIPPED = "vllm:kv_offload_stores_skipped"
-HOST_QUERIES = "kvtier:kv_offload_host_queries"
-HOST_HITS = "kvtier:kv_offload_host_hits"
+HOST_QUERIES = "vllm:kvtier_host_queries"
+HOST_HITS = "vllm:kvtier_host_hits"
 
 CHUNK_QUERIES = "vllm:kv_offload_tiering_chunk_queries"
 CHUNK_HITS = "vllm:kv_offload_tiering_chunk_hits"
@@ -37,9 +37,9 @@ ACTIVE_CASCADE_JOBS = "vllm:kv_offload_tiering_active_cascade_jobs"
 PRIMARY_WRITE_USAGE_PERC = "vllm:kv_offload_tiering_primary_write_usage_perc"
 PRIMARY_READ_USAGE_PERC = "vllm:kv_offload_tiering_primary_read_usage_perc"
 STORES_DROPPED = "vllm:kv_offload_tiering_backpressure_stores_dropped"
-FS_FAULTS = "kvtier:kv_offload_fs_faults"
-FS_USED_BYTES = "kvtier:kv_offload_fs_used_bytes"
-FS_EVICTIONS = "kvtier:kv_offload_fs_evictions"
+FS_FAULTS = "vllm:kvtier_fs_faults"
+FS_USED_BYTES = "vllm:kvtier_fs_used_bytes"
+FS_EVICTIONS = "vllm:kvtier_fs_evictions"
 
 MetricRow = tuple[str, str, tuple[str, ...], tuple[float, ...] | None]
 
