@@ -28,6 +28,7 @@ import json
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -160,6 +161,7 @@ class FileSystemTier:
         self._views: Sequence[memoryview] | None = None
         self.fingerprints = [fsformat.layout_fingerprint(layout) for layout in layouts]
         base = os.path.join(cfg.root_dir, fsformat.FORMAT_DIR)
+        os.makedirs(cfg.root_dir, mode=0o700, exist_ok=True)
         os.makedirs(base, mode=0o700, exist_ok=True)
         self.dirs: list[str] = []
         for fp, layout in zip(self.fingerprints, layouts):
@@ -555,13 +557,24 @@ class FileSystemTier:
     def _write_file(
         self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview
     ) -> None:
+        try:
+            self._write_file_as(path, fingerprint, digest, payload, self.direct)
+        except OSError as exc:
+            # O_DIRECT refuses a buffer that is not aligned: write it buffered instead.
+            if not (self.direct and exc.errno == errno.EINVAL):
+                raise
+            self._write_file_as(path, fingerprint, digest, payload, False)
+
+    def _write_file_as(
+        self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview, direct: bool
+    ) -> None:
         hdr = self._header_buffer()
         crc = fsformat.checksum(payload)
         hdr[: fsformat.HEADER_USED] = fsformat.encode_header(
             fingerprint, digest, self.payload_bytes, crc
         )
         tmp = self._tmp_name(os.path.dirname(path))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if self.direct else 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0)
         fd = os.open(tmp, flags, 0o600)
         try:
             try:
@@ -615,10 +628,23 @@ class FileSystemTier:
         )
 
     def _read_file(self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview) -> None:
-        hdr = self._header_buffer()
-        fd = os.open(path, os.O_RDONLY | (O_DIRECT if self.direct else 0))
         try:
-            size = os.fstat(fd).st_size
+            self._read_file_as(path, fingerprint, digest, payload, self.direct)
+        except OSError as exc:
+            if not (self.direct and exc.errno == errno.EINVAL):
+                raise
+            self._read_file_as(path, fingerprint, digest, payload, False)
+
+    def _read_file_as(
+        self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview, direct: bool
+    ) -> None:
+        hdr = self._header_buffer()
+        fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EISDIR, "not a regular file")
+            size = st.st_size
             if size < self.file_bytes:
                 raise fsformat.FormatError("truncated", f"{size} bytes, expected {self.file_bytes}")
             if size > self.file_bytes:

@@ -1,0 +1,117 @@
+"""Start-up validation of kv_connector_extra_config: errors name the key and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.tiering_spec.config import ConfigError, parse_config
+
+BASE = {"cpu_bytes_to_use": 1 << 30}
+
+
+def fs(tmp_path: Path, **kw: object) -> dict[str, object]:
+    return {"type": "fs", "root_dir": str(tmp_path / "kv"), **kw}
+
+
+def test_missing_cpu_bytes_to_use_says_it_is_required() -> None:
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use is required"):
+        parse_config({"blocks_per_chunk": 8}, tiering=False)
+
+
+def test_the_guides_configurations_validate(tmp_path: Path) -> None:
+    cpu = parse_config({"cpu_bytes_to_use": 8 * (1 << 30), "blocks_per_chunk": 8}, tiering=False)
+    assert cpu.blocks_per_chunk == 8 and cpu.budget == {"cpu_bytes_to_use": 8 << 30}
+    tier = parse_config(
+        {"cpu_bytes_to_use": 8589934592, "blocks_per_chunk": 8, "secondary_tiers": [fs(tmp_path)]},
+        tiering=True,
+    )
+    assert tier.secondary_tiers[0].root_dir == str(tmp_path / "kv")
+    assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
+
+
+def test_blocks_per_chunk_and_block_size_are_mutually_exclusive() -> None:
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        parse_config({**BASE, "blocks_per_chunk": 2, "block_size": 64}, tiering=False)
+
+
+@pytest.mark.parametrize("key", ["blocks_per_chunk", "block_size"])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "x", True])
+def test_chunk_size_must_be_a_positive_integer(key: str, bad: object) -> None:
+    with pytest.raises(ConfigError, match=key):
+        parse_config({**BASE, key: bad}, tiering=False)
+
+
+def test_eviction_policy_names_the_allowed_values() -> None:
+    with pytest.raises(ConfigError, match=r"eviction_policy must be one of lru, arc"):
+        parse_config({**BASE, "eviction_policy": "mru"}, tiering=False)
+
+
+def test_store_threshold_is_refused_by_the_tiering_spec_like_vllm() -> None:
+    parse_config({**BASE, "store_threshold": 3}, tiering=False)
+    with pytest.raises(ConfigError, match="store_threshold"):
+        parse_config({**BASE, "store_threshold": 3}, tiering=True)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("cpu_bytes_to_use", -5), ("cpu_bytes_to_use", "lots"), ("max_tracker_size", 0)],
+)
+def test_bad_numbers_name_their_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=key):
+        parse_config({**BASE, key: value}, tiering=False)
+
+
+def test_unknown_tier_type_lists_the_allowed_ones(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.type must be one of fs"):
+        parse_config({**BASE, "secondary_tiers": [{"type": "s3"}]}, tiering=True)
+
+
+def test_secondary_tiers_must_be_a_list() -> None:
+    with pytest.raises(ConfigError, match="secondary_tiers must be a list"):
+        parse_config({**BASE, "secondary_tiers": {"type": "fs"}}, tiering=True)
+
+
+def test_root_dir_is_required(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.root_dir is required"):
+        parse_config({**BASE, "secondary_tiers": [{"type": "fs"}]}, tiering=True)
+
+
+def test_root_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        parse_config({**BASE, "secondary_tiers": [fs(tmp_path, root_dir=str(f))]}, tiering=True)
+
+
+def test_root_dir_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    bad = str(f / "sub")
+    with pytest.raises(ConfigError, match="cannot be created"):
+        parse_config({**BASE, "secondary_tiers": [fs(tmp_path, root_dir=bad)]}, tiering=True)
+
+
+def test_root_dir_that_is_not_writable_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not writable"):
+        parse_config({**BASE, "secondary_tiers": [fs(tmp_path, root_dir="/proc")]}, tiering=True)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("n_read_threads", 0), ("n_write_threads", "many"), ("capacity_bytes", -1)],
+)
+def test_bad_tier_numbers_name_their_key(tmp_path: Path, key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"secondary_tiers\[0\]\.{key}"):
+        parse_config({**BASE, "secondary_tiers": [fs(tmp_path, **{key: value})]}, tiering=True)
+
+
+def test_unknown_tier_key_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_config({**BASE, "secondary_tiers": [fs(tmp_path, rot_dir="x")]}, tiering=True)
+
+
+def test_secondary_tiers_need_the_tiering_spec(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="TieringOffloadingSpec"):
+        parse_config({**BASE, "secondary_tiers": [fs(tmp_path)]}, tiering=False)

@@ -1,0 +1,290 @@
+"""The fs tier: round trips, restart, capacity, permissions, and every fault."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from kvtier.tiering_spec import fsformat, fstier
+from kvtier.tiering_spec.fsformat import key_digest
+
+from .conftest import PAYLOAD, Region, wait_results
+
+
+def write(tier, region: Region, key: bytes, block: int, seed: int) -> bytes:
+    data = region.fill(0, block, seed)
+    assert tier.submit_write(key, key_digest(key), block)
+    [res] = wait_results(tier)
+    assert res.ok, res
+    return data
+
+
+def read(tier, key: bytes, block: int):
+    assert tier.submit_read(key, key_digest(key), block)
+    [res] = wait_results(tier)
+    return res
+
+
+def test_a_written_block_reads_back_byte_for_byte(make_tier) -> None:
+    region = Region(4)
+    tier = make_tier(region)
+    data = write(tier, region, b"k1", 0, 7)
+    res = read(tier, b"k1", 3)
+    assert res.ok and region.block(0, 3) == data
+    assert tier.stats.reads == 1 and tier.stats.writes == 1
+
+
+def test_file_layout_header_and_permissions(make_tier, tmp_path: Path) -> None:
+    region = Region(2)
+    tier = make_tier(region)
+    write(tier, region, b"key", 0, 1)
+    [path] = tier.paths(key_digest(b"key"))
+    raw = Path(path).read_bytes()
+    assert raw[:8] == fsformat.MAGIC
+    assert len(raw) == fsformat.HEADER_SIZE + PAYLOAD
+    assert Path(path).name == key_digest(b"key").hex() + ".kv"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    for d in (tier.dirs[0], os.path.dirname(path), str(tmp_path / "fs")):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    assert not [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".tmp")]
+    assert (Path(tier.dirs[0]) / "layout.json").is_file()
+
+
+def test_o_direct_is_used_where_the_filesystem_accepts_it(make_tier) -> None:
+    tier = make_tier(Region(1))
+    assert tier.direct == fstier.probe_o_direct(tier.dirs[0])
+
+
+def test_files_of_an_earlier_run_are_served_after_a_restart(make_tier, tmp_path: Path) -> None:
+    region = Region(4)
+    first = make_tier(region)
+    data = write(first, region, b"old", 1, 5)
+    first.shutdown()
+    again = make_tier(region)
+    assert again.stats.files_indexed_at_start == 1
+    assert again.contains(key_digest(b"old"))
+    assert read(again, b"old", 2).ok and region.block(0, 2) == data
+
+
+def test_another_fingerprint_does_not_see_the_files(make_tier) -> None:
+    region = Region(2)
+    a = make_tier(region)
+    write(a, region, b"k", 0, 1)
+    b = make_tier(region, dtype="bfloat16")
+    assert b.dirs != a.dirs
+    assert not b.contains(key_digest(b"k"))
+
+
+def test_ranks_are_kept_apart_by_the_fingerprint(make_tier) -> None:
+    region = Region(2, world_size=2)
+    tier = make_tier(region, world_size=2)
+    d0 = region.fill(0, 0, 1)
+    d1 = region.fill(1, 0, 2)
+    assert tier.submit_write(b"k", key_digest(b"k"), 0)
+    assert wait_results(tier)[0].ok
+    p0, p1 = tier.paths(key_digest(b"k"))
+    assert os.path.dirname(os.path.dirname(p0)) != os.path.dirname(os.path.dirname(p1))
+    region.ranks[0][:] = bytes(len(region.ranks[0]))
+    region.ranks[1][:] = bytes(len(region.ranks[1]))
+    assert read(tier, b"k", 1).ok
+    assert region.block(0, 1) == d0 and region.block(1, 1) == d1
+    # rank 1's file read as rank 0 fails the fingerprint check
+    os.replace(p1, p0)
+    res = read(tier, b"k", 1)
+    assert not res.ok and res.fault == "corrupt"
+
+
+def test_capacity_evicts_least_recently_used_first(make_tier) -> None:
+    region = Region(4)
+    entry = fsformat.HEADER_SIZE + PAYLOAD
+    tier = make_tier(region, capacity=3 * entry)
+    for i, k in enumerate([b"a", b"b", b"c"]):
+        write(tier, region, k, i % 4, i)
+    tier.touch([key_digest(b"a")])
+    write(tier, region, b"d", 3, 9)
+    wait_for_unlinks(tier)
+    assert tier.used_bytes <= 3 * entry
+    assert not tier.has(key_digest(b"b")), "b was least recently used"
+    assert all(tier.has(key_digest(k)) for k in (b"a", b"c", b"d"))
+    assert not any(os.path.exists(p) for p in tier.paths(key_digest(b"b")))
+    assert tier.stats.evictions == 1
+
+
+def wait_for_unlinks(tier) -> None:
+    tier.drain()
+    tier.poll()
+
+
+def test_restart_over_capacity_drops_the_oldest(make_tier) -> None:
+    region = Region(4)
+    entry = fsformat.HEADER_SIZE + PAYLOAD
+    first = make_tier(region)
+    for i, k in enumerate([b"a", b"b", b"c"]):
+        write(first, region, k, i, i)
+        os.utime(first.paths(key_digest(k))[0], (1000 + i, 1000 + i))
+    first.shutdown()
+    small = make_tier(region, capacity=2 * entry)
+    assert small.used_bytes == 2 * entry
+    assert not small.has(key_digest(b"a"))
+
+
+# ------------------------------------------------------------------ faults
+
+
+def faulty(make_tier, damage, caplog) -> tuple:
+    region = Region(2)
+    tier = make_tier(region)
+    write(tier, region, b"k", 0, 3)
+    [path] = tier.paths(key_digest(b"k"))
+    damage(path)
+    region.ranks[0][PAYLOAD:] = b"\xee" * PAYLOAD
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
+        res = read(tier, b"k", 1)
+    return tier, res, region, path
+
+
+def flip_payload_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(fsformat.HEADER_SIZE + 100)
+        b = f.read(1)
+        f.seek(fsformat.HEADER_SIZE + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def flip_header_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"\x00\x01")
+
+
+def truncate(path: str) -> None:
+    os.truncate(path, fsformat.HEADER_SIZE + PAYLOAD // 2)
+
+
+def replace_by_directory(path: str) -> None:
+    os.unlink(path)
+    os.mkdir(path)
+
+
+@pytest.mark.parametrize(
+    ("damage", "kind"),
+    [
+        (flip_payload_byte, "corrupt"),
+        (flip_header_byte, "corrupt"),
+        (truncate, "truncated"),
+        (os.unlink, "vanished"),
+        (replace_by_directory, "unreadable"),
+    ],
+)
+def test_a_bad_file_is_a_counted_miss_and_never_loaded(make_tier, caplog, damage, kind) -> None:
+    tier, res, region, path = faulty(make_tier, damage, caplog)
+    assert not res.ok and res.fault == kind
+    assert tier.faults()[kind] == 1
+    assert not tier.has(key_digest(b"k")), "a faulty entry must be forgotten"
+    assert any(kind in r.getMessage() for r in caplog.records), "the fault must be logged"
+    if kind in ("corrupt", "truncated"):
+        wait_for_unlinks(tier)
+        assert not os.path.exists(path), "a corrupt file is removed"
+
+
+def test_each_fault_kind_is_logged_once(make_tier, caplog) -> None:
+    region = Region(4)
+    tier = make_tier(region)
+    for i in range(3):
+        write(tier, region, b"k%d" % i, i, i)
+        flip_payload_byte(tier.paths(key_digest(b"k%d" % i))[0])
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
+        for i in range(3):
+            assert not read(tier, b"k%d" % i, 3).ok
+    assert tier.faults()["corrupt"] == 3
+    assert sum("corrupt" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_full_disk_drops_the_write_and_leaves_no_file(make_tier, monkeypatch, caplog) -> None:
+    region = Region(2)
+    tier = make_tier(region)
+
+    def enospc(*a: object, **k: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fstier, "_pwritev", enospc)
+    region.fill(0, 0, 1)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
+        assert tier.submit_write(b"k", key_digest(b"k"), 0)
+        [res] = wait_results(tier)
+    assert not res.ok and res.fault == "disk_full"
+    assert tier.faults()["disk_full"] == 1 and not tier.has(key_digest(b"k"))
+    shard = os.path.dirname(tier.paths(key_digest(b"k"))[0])
+    assert os.listdir(shard) == [], "no temporary or partial file may stay"
+    assert any("disk_full" in r.getMessage() for r in caplog.records)
+
+
+def test_failed_rename_is_a_failed_write(make_tier, monkeypatch) -> None:
+    region = Region(2)
+    tier = make_tier(region)
+
+    def eio(*a: object) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(fstier, "_rename", eio)
+    assert tier.submit_write(b"k", key_digest(b"k"), 0)
+    [res] = wait_results(tier)
+    assert res.fault == "write_failed" and tier.faults()["write_failed"] == 1
+    assert os.listdir(os.path.dirname(tier.paths(key_digest(b"k"))[0])) == []
+
+
+def test_short_reads_and_writes_are_completed(make_tier, monkeypatch) -> None:
+    region = Region(2)
+    tier = make_tier(region)
+    real_w, real_r = os.pwritev, os.preadv
+
+    def short_w(fd: int, bufs: list, off: int) -> int:
+        if off == 0:
+            return real_w(fd, [bufs[0], memoryview(bufs[1])[:4096]], 0)
+        return real_w(fd, bufs, off)
+
+    def short_r(fd: int, bufs: list, off: int) -> int:
+        if off == 0:
+            return real_r(fd, [bufs[0], memoryview(bufs[1])[:4096]], 0)
+        return real_r(fd, bufs, off)
+
+    monkeypatch.setattr(fstier, "_pwritev", short_w)
+    monkeypatch.setattr(fstier, "_preadv", short_r)
+    data = write(tier, region, b"k", 0, 11)
+    assert read(tier, b"k", 1).ok and region.block(0, 1) == data
+
+
+def test_stale_temporary_files_are_removed_at_start(make_tier) -> None:
+    region = Region(1)
+    tier = make_tier(region)
+    shard = os.path.join(tier.dirs[0], "0")
+    stale = os.path.join(shard, ".tmp-1-2-3")
+    fresh = os.path.join(shard, ".tmp-1-2-4")
+    for p in (stale, fresh):
+        Path(p).write_bytes(b"partial")
+    os.utime(stale, (1, 1))
+    tier.shutdown()
+    make_tier(region)
+    assert not os.path.exists(stale) and os.path.exists(fresh)
+
+
+def test_a_file_written_by_another_engine_is_found_on_lookup(make_tier, tmp_path) -> None:
+    region = Region(2)
+    reader = make_tier(region)
+    writer = make_tier(region)
+    data = write(writer, region, b"new", 0, 4)
+    region.ranks[0][:] = bytes(len(region.ranks[0]))
+    assert reader.contains(key_digest(b"new"))
+    assert read(reader, b"new", 1).ok and region.block(0, 1) == data
+
+
+def test_names_come_only_from_hex_digests() -> None:
+    shard, name = fsformat.file_name(key_digest(b"../../etc/passwd"))
+    assert set(shard + name[:-3]) <= set("0123456789abcdef") and name.endswith(".kv")
+    assert fsformat.parse_file_name("zz" * 16 + ".kv") is None
+    assert fsformat.parse_file_name(name) == key_digest(b"../../etc/passwd")
