@@ -182,7 +182,7 @@ def replace_by_directory(path: str) -> None:
     ],
 )
 def test_a_bad_file_is_a_counted_miss_and_never_loaded(make_tier, caplog, damage, kind) -> None:
-    tier, res, region, path = faulty(make_tier, damage, caplog)
+    tier, res, _region, path = faulty(make_tier, damage, caplog)
     assert not res.ok and res.fault == kind
     assert tier.faults()[kind] == 1
     assert not tier.has(key_digest(b"k")), "a faulty entry must be forgotten"
