@@ -1,0 +1,124 @@
+"""Configuration of the recompute offload connector, validated at start-up.
+
+Keys come from ``kv_connector_extra_config`` (the user guide's names). A bad value
+raises ``ValueError`` naming the key, so vLLM refuses to start instead of failing
+later. Units: bytes for budgets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.blockpool import PER_RANK_KEY, TOTAL_KEY, HostBudget, require_positive_int
+from kvtier.blockpool import resolve_budget as _resolve_budget
+
+logger = logging.getLogger("kvtier.recompute_connector")
+
+DEFAULT_TOTAL_BYTES = 8 * 2**30  # the guide's default: 8 GiB for all ranks together
+PREFIX_CACHING_KEY = "enable_offload_prefix_caching"
+SCHEDULER_FLAG_KEY = "recompute_scheduler_enable"  # in --additional-config
+# Test-only: flip bytes of host blocks before each restore (proves the tests are sharp).
+CORRUPT_KEY = "kvtier_test_corrupt_restores"
+# Test-only: make the worker's stores or loads fail (exercises the fallbacks end to end).
+FAIL_STORES_KEY = "kvtier_test_fail_stores"
+FAIL_LOADS_KEY = "kvtier_test_fail_loads"
+
+KNOWN_KEYS = frozenset(
+    {PER_RANK_KEY, TOTAL_KEY, PREFIX_CACHING_KEY, CORRUPT_KEY, FAIL_STORES_KEY, FAIL_LOADS_KEY}
+)
+SUPPORTED_ROLES = ("kv_consumer", "kv_both")
+
+
+def _require_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"{key} must be true or false, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True)
+class RecomputeOffloadConfig:
+    """Validated settings.
+
+    Attributes:
+        extra: the raw ``kv_connector_extra_config`` (budget keys are resolved per rank
+            by :meth:`resolve_budget`, once the bytes of a block are known).
+        world_size: ranks sharing ``cpu_bytes_to_use`` (tensor x pipeline parallel).
+        kv_role: ``kv_consumer`` or ``kv_both``.
+        enable_offload_prefix_caching: accepted for compatibility; host blocks are
+            never shared between requests (see README).
+        scheduler_flag: the guide's ``recompute_scheduler_enable`` (accepted; vLLM's own
+            scheduler is used either way).
+        corrupt_restores / fail_stores / fail_loads: test-only fault injection.
+    """
+
+    extra: Mapping[str, Any]
+    world_size: int
+    kv_role: str
+    enable_offload_prefix_caching: bool = False
+    scheduler_flag: bool = False
+    corrupt_restores: bool = False
+    fail_stores: bool = False
+    fail_loads: bool = False
+
+    @classmethod
+    def from_settings(
+        cls,
+        extra: Mapping[str, Any] | None,
+        *,
+        world_size: int,
+        kv_role: str | None,
+        additional_config: Mapping[str, Any] | None = None,
+    ) -> RecomputeOffloadConfig:
+        """Validate the connector's settings; raises ``ValueError`` naming the bad key."""
+        extra = dict(extra or {})
+        if kv_role not in SUPPORTED_ROLES:
+            raise ValueError(
+                f"kv_role must be one of {', '.join(SUPPORTED_ROLES)} for "
+                f"RecomputeCPUOffloadConnector, got {kv_role!r} (a prefill-only "
+                "kv_producer node has nothing to resume)"
+            )
+        world_size = require_positive_int("world_size", world_size)
+        for key in (PER_RANK_KEY, TOTAL_KEY):
+            if extra.get(key) is not None:
+                require_positive_int(key, extra[key])
+        unknown = sorted(k for k in extra if k not in KNOWN_KEYS)
+        if unknown:
+            logger.warning(
+                "kvtier: RecomputeCPUOffloadConnector ignores unknown kv_connector_extra_config "
+                "keys %s (known: %s)",
+                unknown,
+                sorted(k for k in KNOWN_KEYS if not k.startswith("kvtier_test")),
+            )
+        flag: Any = False
+        if additional_config and isinstance(additional_config, Mapping):
+            flag = additional_config.get(SCHEDULER_FLAG_KEY, False)
+        return cls(
+            extra=extra,
+            world_size=world_size,
+            kv_role=kv_role,
+            enable_offload_prefix_caching=_require_bool(
+                PREFIX_CACHING_KEY, extra.get(PREFIX_CACHING_KEY, False)
+            ),
+            scheduler_flag=_require_bool(SCHEDULER_FLAG_KEY, flag),
+            corrupt_restores=_require_bool(CORRUPT_KEY, extra.get(CORRUPT_KEY, False)),
+            fail_stores=_require_bool(FAIL_STORES_KEY, extra.get(FAIL_STORES_KEY, False)),
+            fail_loads=_require_bool(FAIL_LOADS_KEY, extra.get(FAIL_LOADS_KEY, False)),
+        )
+
+    def resolve_budget(self, bytes_per_block: int) -> HostBudget:
+        """The per-rank host budget in blocks of ``bytes_per_block`` bytes.
+
+        Both the scheduler and every worker call this with the same block size (from
+        vLLM's KV cache config), so they agree on the block count.
+        """
+        return _resolve_budget(
+            self.extra,
+            world_size=self.world_size,
+            bytes_per_block=bytes_per_block,
+            default_total=DEFAULT_TOTAL_BYTES,
+        )

@@ -1,0 +1,528 @@
+"""The vLLM adapter: ``RecomputeCPUOffloadConnector`` maps vLLM's KV connector interface
+onto :class:`RecomputeOffloadScheduler` (scheduler process) and
+:class:`RecomputeOffloadWorker` (each worker process). This is the only module of the
+package that imports vLLM; vLLM's connector factory imports it lazily.
+
+The scheduler/worker protocol, and why it is correct under vLLM's step order:
+
+* Step N, scheduler: ``schedule()`` preempts request R (its device blocks go back to the
+  free pool and may be handed to a running request in this same step). vLLM never calls
+  the connector at preemption; ``build_connector_meta`` sees R in
+  ``preempted_req_ids``, reserves host blocks for the blocks R held at its last scheduled
+  step, and puts a store job in the step's metadata. No waiting request is admitted in a
+  step that preempts, so no restore shares a step with a store.
+* Step N, every worker: ``handle_preemptions`` is the first thing ``execute_model``
+  does, before block zeroing, copy-on-write copies and the forward. The store is issued
+  after the work already on the compute stream (the KV of steps < N) and the compute
+  stream waits for it, so no later work of the step can overwrite R's blocks first.
+  At the end of the step each worker reports the job's outcome in its worker metadata.
+* Scheduler, ``update_connector_output``: the reports of all ranks are summed; R becomes
+  restorable only when every rank's store succeeded. Until then
+  ``get_num_new_matched_tokens`` answers ``None`` (ask again next step), which only
+  happens with asynchronous scheduling, where step N+1 is scheduled before step N's
+  output is processed.
+* Step M > N, scheduler: R is admitted again. ``get_num_new_matched_tokens`` reports the
+  restorable tokens beyond the device prefix-cache hit (synchronous load: ``False``);
+  ``update_state_after_alloc`` maps host blocks onto the new device blocks and queues a
+  load job. vLLM flags the step ``has_sync_kv_loads``, so the worker's ``start_load_kv``
+  runs before the forward, and the compute stream waits for the load.
+* A failed load is reported from ``get_block_ids_with_load_errors`` in the same step;
+  vLLM then recomputes from the first failed block (with ``kv_load_failure_policy``
+  ``"recompute"``; vLLM's default ``"fail"`` fails the request instead). The host blocks
+  are freed once every rank reported the load, or at once when R finishes or is
+  aborted while restorable.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvtier.recompute_connector.config import RecomputeOffloadConfig
+from kvtier.recompute_connector.protocol import StepPlan, WorkerReport
+from kvtier.recompute_connector.state import KVGroup, RecomputeOffloadScheduler
+from kvtier.recompute_connector.worker import RecomputeOffloadWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# Under "vllm." so vLLM's logging configuration (handlers, level) applies.
+logger = logging.getLogger("vllm.kvtier.recompute_connector")
+
+CONNECTOR_NAME = "RecomputeCPUOffloadConnector"
+
+
+class RecomputeConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers: the copies of one step."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class RecomputeWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: outcomes of copies, summed over ranks by ``aggregate``."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, RecomputeWorkerMetadata):
+            merged = WorkerReport().merge(self.report).merge(other.report)
+            return RecomputeWorkerMetadata(merged)
+        return self
+
+
+# ---------------------------------------------------------------------- stats
+
+COUNTERS = "counters"
+GAUGES = "gauges"
+
+
+class RecomputeOffloadStats(KVConnectorStats):
+    """Connector stats: ``data = {"counters": {name: n}, "gauges": {name: n}}``.
+
+    Counters are deltas since the last report and add up across ranks and steps;
+    gauges (host blocks) keep the latest value. Names: ``preemptions_offloaded``,
+    ``tokens_stored``, ``restores``, ``tokens_restored``, ``fallback:<reason>``,
+    ``bytes_d2h``/``bytes_h2d`` (bytes), ``seconds_d2h``/``seconds_h2d``,
+    ``blocks_d2h``/``blocks_h2d``, ``failures_d2h``/``failures_h2d``; gauges
+    ``host_blocks_in_use`` and ``host_blocks`` (blocks).
+    """
+
+    def __post_init__(self) -> None:
+        if COUNTERS not in self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {COUNTERS: {}, GAUGES: {}}
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return self.data.setdefault(COUNTERS, {})
+
+    @property
+    def gauges(self) -> dict[str, float]:
+        return self.data.setdefault(GAUGES, {})
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if not isinstance(other, RecomputeOffloadStats):
+            return self
+        for name, value in other.counters.items():
+            self.counters[name] = self.counters.get(name, 0) + value
+        self.gauges.update(other.gauges)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for name, value in self.counters.items():
+            out[name] = round(value, 6) if isinstance(value, float) else value
+        out.update(self.gauges)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.counters.values()) and not self.gauges
+
+
+PROM_PREFIX = "vllm:kvtier_recompute_"
+
+
+class RecomputeOffloadPromMetrics(KVConnectorPromMetrics):
+    """The connector's Prometheus metrics (names start with ``vllm:kvtier_recompute_``)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter: Any = self._counter_cls
+        gauge: Any = self._gauge_cls
+        names = self._labelnames
+        self._plain: dict[str, Any] = {
+            "preemptions_offloaded": counter(
+                name=PROM_PREFIX + "preemptions_offloaded",
+                documentation="Preempted requests whose KV was stored in host DRAM.",
+                labelnames=names,
+            ),
+            "restores": counter(
+                name=PROM_PREFIX + "restores",
+                documentation="Resumed requests whose KV was restored from host DRAM.",
+                labelnames=names,
+            ),
+            "tokens_restored": counter(
+                name=PROM_PREFIX + "tokens_restored",
+                documentation="Tokens of KV restored from host DRAM instead of recomputed.",
+                labelnames=names,
+            ),
+        }
+        self._fallbacks = counter(
+            name=PROM_PREFIX + "fallbacks",
+            documentation="Preempted requests recomputed instead of restored, by reason.",
+            labelnames=[*names, "reason"],
+        )
+        self._by_direction: dict[str, Any] = {
+            "bytes": counter(
+                name=PROM_PREFIX + "transfer_bytes",
+                documentation="Bytes copied, by direction (d2h: store, h2d: restore).",
+                labelnames=[*names, "direction"],
+            ),
+            "seconds": counter(
+                name=PROM_PREFIX + "transfer_seconds",
+                documentation="Seconds spent copying, by direction.",
+                labelnames=[*names, "direction"],
+            ),
+            "blocks": counter(
+                name=PROM_PREFIX + "transfer_blocks",
+                documentation="KV blocks copied, by direction.",
+                labelnames=[*names, "direction"],
+            ),
+        }
+        self._gauges: dict[str, Any] = {
+            "host_blocks_in_use": gauge(
+                name=PROM_PREFIX + "host_blocks_in_use",
+                documentation="Host blocks holding preempted requests' KV (per rank).",
+                labelnames=names,
+                multiprocess_mode="mostrecent",
+            ),
+            "host_blocks": gauge(
+                name=PROM_PREFIX + "host_blocks",
+                documentation="Host blocks of the per-rank budget.",
+                labelnames=names,
+                multiprocess_mode="mostrecent",
+            ),
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = list(self.per_engine_labelvalues[engine_idx])
+        for name, value in (transfer_stats_data.get(COUNTERS) or {}).items():
+            if not value:
+                continue
+            if name in self._plain:
+                self._plain[name].labels(*labels).inc(value)
+            elif name.startswith("fallback:"):
+                self._fallbacks.labels(*labels, name.split(":", 1)[1]).inc(value)
+            else:
+                kind, _, direction = name.partition("_")
+                metric = self._by_direction.get(kind)
+                if metric is not None and direction in ("d2h", "h2d"):
+                    metric.labels(*labels, direction).inc(value)
+        for name, value in (transfer_stats_data.get(GAUGES) or {}).items():
+            if name in self._gauges:
+                self._gauges[name].labels(*labels).set(value)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def device_block_bytes(kv_cache_config: Any) -> int:
+    """Bytes of one device block over every KV tensor of a rank (one host block)."""
+    tensors = [
+        t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)
+    ]
+    total = sum(int(t.size) for t in tensors)
+    num_blocks = int(kv_cache_config.num_blocks)
+    if not tensors or num_blocks <= 0:
+        raise ValueError("the KV cache config has no device KV tensors to offload")
+    return total // num_blocks
+
+
+def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        window = getattr(spec, "sliding_window", None)
+        supported = kind in ("FullAttentionSpec", "SlidingWindowSpec") or (
+            hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size") and "Mamba" not in kind
+        )
+        groups.append(KVGroup(int(spec.block_size), int(window) if window else None, supported))
+    return groups
+
+
+def _rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank)
+    except Exception:
+        return 0
+
+
+# ---------------------------------------------------------------------- the connector
+
+
+class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """Keeps preempted requests' KV in host DRAM and restores it when they resume.
+
+    Configured through ``kv_connector_extra_config`` (see the package README);
+    works standalone and as a child of ``MultiConnector``, with ``kv_role``
+    ``kv_consumer`` or ``kv_both``.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc: Any = vllm_config.kv_transfer_config
+        parallel: Any = vllm_config.parallel_config
+        self.config = RecomputeOffloadConfig.from_settings(
+            ktc.kv_connector_extra_config,
+            world_size=int(parallel.world_size),
+            kv_role=ktc.kv_role,
+            additional_config=getattr(vllm_config, "additional_config", None),
+        )
+        if kv_cache_config is None:
+            raise ValueError("RecomputeCPUOffloadConnector needs vLLM's kv_cache_config")
+        self.block_bytes = device_block_bytes(kv_cache_config)
+        self.scheduler: RecomputeOffloadScheduler | None = None
+        self.worker: RecomputeOffloadWorker | None = None
+        self._local_hits: dict[str, int] = {}
+        self._groups = kv_groups(kv_cache_config)
+        self._refresh_every_step = any(g.sliding_window for g in self._groups)
+        if role == KVConnectorRole.SCHEDULER:
+            budget = self.config.resolve_budget(self.block_bytes)
+            self.scheduler = RecomputeOffloadScheduler(
+                num_host_blocks=budget.num_blocks,
+                groups=self._groups,
+                world_size=self.config.world_size,
+                log=logger,
+            )
+            logger.info(
+                "kvtier: RecomputeCPUOffloadConnector scheduler (kv_role %s, "
+                "recompute_scheduler_enable=%s accepted; vLLM's own scheduler is used): "
+                "per rank %s",
+                self.config.kv_role,
+                self.config.scheduler_flag,
+                budget.describe(),
+            )
+            if not self.scheduler.supported:
+                logger.warning(
+                    "kvtier: this model has KV cache groups that are not paged attention; "
+                    "preempted requests will be recomputed as usual"
+                )
+            if ktc.kv_load_failure_policy != "recompute":
+                logger.info(
+                    "kvtier: kv_load_failure_policy is %r: a failed restore fails the "
+                    "request instead of recomputing it; set it to 'recompute' (on the "
+                    "top-level MultiConnector config where one is used) to recompute",
+                    ktc.kv_load_failure_policy,
+                )
+        else:
+            self.worker = RecomputeOffloadWorker(
+                self.config, bytes_per_block=self.block_bytes, rank=_rank(), log=logger
+            )
+
+    # A best-effort cache: a preempted request with a pending copy is never
+    # "delivered" elsewhere, so vLLM must not drop its in-flight output for us.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker is not None:
+            self.worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.worker is not None and isinstance(
+            kv_connector_metadata, RecomputeConnectorMetadata
+        ):
+            self.worker.run_stores(kv_connector_metadata.plan.stores)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, RecomputeConnectorMetadata):
+            self.worker.run_loads(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and ordered before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # nothing is saved during the forward: stores happen at preemption
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.worker is None:
+            return None
+        report = self.worker.take_report()
+        return RecomputeWorkerMetadata(report) if report is not None else None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.scheduler is None:
+            return 0, False
+        self._local_hits[request.request_id] = num_computed_tokens
+        tokens = self.scheduler.restorable_tokens(
+            request.request_id, request.num_tokens, num_computed_tokens
+        )
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.scheduler is None:
+            return
+        req_id = request.request_id
+        local = self._local_hits.pop(req_id, 0)
+        if num_external_tokens <= 0 and req_id not in self.scheduler.preempted:
+            return
+        self.scheduler.on_allocated(req_id, blocks.get_block_ids(), local, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        sched = self.scheduler
+        if sched is None:
+            return RecomputeConnectorMetadata(StepPlan())
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in sorted(scheduler_output.preempted_req_ids or ()):
+            if req_id in num_scheduled:
+                # Preempted outside schedule() (a prefix-cache reset) and admitted again
+                # in this step, from scratch: its old blocks are gone, nothing to keep.
+                sched.running.pop(req_id, None)
+                continue
+            sched.on_preempted(req_id)
+        manager = self._kv_cache_manager
+        for new in scheduler_output.scheduled_new_reqs:
+            self._observe(
+                sched,
+                manager,
+                new.req_id,
+                new.block_ids,
+                new.num_computed_tokens,
+                num_scheduled,
+                True,
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            changed = req_id in resumed or bool(
+                cached.new_block_ids[i] and any(cached.new_block_ids[i])
+            )
+            self._observe(
+                sched,
+                manager,
+                req_id,
+                None,
+                cached.num_computed_tokens[i],
+                num_scheduled,
+                changed,
+            )
+        return RecomputeConnectorMetadata(sched.build_step_plan())
+
+    def _observe(
+        self,
+        sched: RecomputeOffloadScheduler,
+        manager: Any,
+        req_id: str,
+        block_ids: Any,
+        num_computed: int,
+        num_scheduled: dict[str, int],
+        changed: bool,
+    ) -> None:
+        n = num_scheduled.get(req_id, 0)
+        known = sched.running.get(req_id)
+        if known is not None and not changed and not self._refresh_every_step:
+            known.kv_tokens = num_computed + n
+            return
+        if manager is not None:
+            block_ids = manager.get_block_ids(req_id)
+        if block_ids is None:
+            return
+        sched.observe_scheduled(req_id, block_ids, num_computed, n)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self.scheduler is not None and isinstance(meta, RecomputeWorkerMetadata):
+            self.scheduler.on_worker_report(meta.report)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is not None:
+            self._local_hits.pop(request.request_id, None)
+            self.scheduler.on_finished(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
+
+    # ------------------------------------------------------------------ stats
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        stats = RecomputeOffloadStats()
+        if self.scheduler is not None:
+            s = self.scheduler.take_stats()
+            counters = stats.counters
+            for name in ("preemptions_offloaded", "tokens_stored", "restores", "tokens_restored"):
+                if getattr(s, name):
+                    counters[name] = getattr(s, name)
+            for reason, n in s.fallbacks.items():
+                counters[f"fallback:{reason}"] = n
+            stats.gauges["host_blocks_in_use"] = self.scheduler.host_blocks_in_use
+            stats.gauges["host_blocks"] = self.scheduler.pool.num_blocks
+        elif self.worker is not None:
+            t = self.worker.take_stats()
+            if t is None:
+                return None
+            for direction in ("d2h", "h2d"):
+                for kind, table in (
+                    ("bytes", t.bytes),
+                    ("seconds", t.seconds),
+                    ("blocks", t.blocks),
+                    ("failures", t.failures),
+                ):
+                    if table[direction]:
+                        stats.counters[f"{kind}_{direction}"] = table[direction]
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return RecomputeOffloadStats(data=data) if data is not None else RecomputeOffloadStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return RecomputeOffloadPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+    def reset_cache(self) -> bool | None:
+        return True  # host copies belong to preempted requests, not to the prefix cache

@@ -1,0 +1,485 @@
+"""The scheduler side: which requests' KV sits in host DRAM, and what to copy each step.
+
+:class:`RecomputeOffloadScheduler` is a state machine fed by the vLLM adapter (see
+``connector.py``) with plain values, so it is tested without an engine. It owns the
+host block bookkeeping (a :class:`kvtier.blockpool.HostBlockPool`); the workers own
+the host memory and copy what the step plans say.
+
+A preempted request's life::
+
+    running --preempted--> STORING --all ranks stored--> RESTORABLE --resumed--> LOADING
+       ^                      |                              |                      |
+       |                 store failed                  nothing to load        ranks loaded
+       |                      v                              v                      v
+       +------------------ (dropped: vLLM recomputes) <------+-------------- (freed)
+
+Tokens and blocks:
+
+* While a request runs, each step records its device block ids (one list per KV cache
+  group, logical order, null blocks included) and ``kv_tokens``: the tokens whose KV
+  the steps scheduled so far write (``num_computed_tokens`` before the step plus the
+  tokens scheduled in it). That is an upper bound of the valid KV: speculative tokens
+  may be rejected later.
+* On preemption, the blocks covering ``kv_tokens`` are stored (lookahead blocks past
+  them are clipped; null blocks of sliding-window groups keep their logical position
+  and are not copied).
+* On resumption, at most ``num_tokens - 1`` tokens are restorable: every token but the
+  last has had its KV computed by a forward whose output was accepted (the last one's
+  KV is computed by the next forward), so rejected speculative tokens never count.
+  The device prefix cache's hit is subtracted.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.blockpool import HostBlockPool
+from kvtier.recompute_connector.protocol import StepPlan, TransferJob, WorkerReport
+
+logger = logging.getLogger("kvtier.recompute_connector")
+
+# A store the workers have not reported after this many steps is given up on (the
+# request is recomputed); its host blocks stay reserved until the report comes.
+STORE_REPORT_TIMEOUT_STEPS = 1000
+
+
+class Fallback(str, enum.Enum):
+    """Why a preempted request is recomputed instead of restored."""
+
+    CAPACITY = "capacity"  # host blocks short
+    STORE_FAILED = "store_failed"  # a rank's device -> host copy failed
+    LOAD_FAILED = "load_failed"  # a rank's host -> device copy failed
+    WINDOW_GAP = "window_gap"  # a sliding-window block needed at resume was not stored
+    UNSUPPORTED = "unsupported_kv_cache"  # a KV cache group that is not paged attention
+    STORE_TIMEOUT = "store_timeout"  # no store report from the workers in time
+
+
+class Phase(str, enum.Enum):
+    STORING = "storing"
+    RESTORABLE = "restorable"
+    LOADING = "loading"
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group as the connector sees it.
+
+    Attributes:
+        block_size: tokens per device block of this group.
+        sliding_window: attention window in tokens, or ``None`` for full attention.
+        supported: False for groups whose state is not paged attention KV (Mamba, ...).
+    """
+
+    block_size: int
+    sliding_window: int | None = None
+    supported: bool = True
+
+
+@dataclass
+class RunningRequest:
+    """What the connector knows of a running request (updated every step it runs)."""
+
+    block_ids: tuple[list[int], ...]
+    kv_tokens: int
+
+
+@dataclass
+class PreemptedRequestState:
+    """A preempted request whose KV is (being) kept in host blocks.
+
+    Attributes:
+        req_id: the request.
+        phase: STORING, RESTORABLE or LOADING.
+        num_tokens: tokens of KV held (``kv_tokens`` at preemption; may include a
+            partial last block).
+        host_blocks: per KV cache group, per logical block position, the host block
+            holding it, or ``None`` where the device block was a null block.
+        job_id: the store or load job in flight.
+        ranks_ok / ranks_failed: reports received for the job in flight.
+        steps_waiting: scheduler steps since the store was planned.
+        free_when_done: the request finished while a copy was in flight.
+    """
+
+    req_id: str
+    phase: Phase
+    num_tokens: int
+    host_blocks: tuple[list[int | None], ...]
+    job_id: int
+    owner: int = 0
+    pinned: list[int] = field(default_factory=list)
+    ranks_ok: int = 0
+    ranks_failed: int = 0
+    steps_waiting: int = 0
+    free_when_done: bool = False
+    load_tokens: int = 0
+    timed_out: bool = False
+
+    @property
+    def all_host_blocks(self) -> list[int]:
+        return [h for group in self.host_blocks for h in group if h is not None]
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the last :meth:`RecomputeOffloadScheduler.take_stats` (deltas)."""
+
+    preemptions_offloaded: int = 0
+    tokens_stored: int = 0
+    restores: int = 0
+    tokens_restored: int = 0
+    fallbacks: Counter[str] = field(default_factory=Counter)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class RecomputeOffloadScheduler:
+    """Scheduler-side bookkeeping of preempted requests' host copies.
+
+    Args:
+        num_host_blocks: host blocks per rank (every rank has the same count).
+        groups: the KV cache groups, in vLLM's order.
+        world_size: ranks that copy and report each job.
+        null_block_id: vLLM's null block (sliding-window placeholders), never copied.
+        log: logger for the user-visible lines (the adapter passes one under ``vllm``).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_host_blocks: int,
+        groups: Sequence[KVGroup],
+        world_size: int = 1,
+        null_block_id: int = 0,
+        log: logging.Logger | None = None,
+    ) -> None:
+        if not groups:
+            raise ValueError("at least one KV cache group is needed")
+        self.pool = HostBlockPool(num_host_blocks)
+        self.groups = tuple(groups)
+        self.world_size = world_size
+        self.null_block_id = null_block_id
+        self.log = log or logger
+        self.supported = all(g.supported for g in self.groups)
+        self.running: dict[str, RunningRequest] = {}
+        self.preempted: dict[str, PreemptedRequestState] = {}
+        self._jobs = itertools.count(1)
+        # Jobs the workers have not fully reported yet -> their state (dropped states too:
+        # their host blocks stay reserved until the copy has ended on every rank).
+        self._in_flight: dict[int, PreemptedRequestState] = {}
+        self._plan = StepPlan()
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ running requests
+
+    def observe_scheduled(
+        self,
+        req_id: str,
+        block_ids: Sequence[Sequence[int]],
+        num_computed_tokens: int,
+        num_scheduled_tokens: int,
+    ) -> None:
+        """A request runs this step: ``block_ids`` are its device blocks now (per group),
+        ``num_computed_tokens`` its computed tokens before the step, and the step
+        schedules ``num_scheduled_tokens`` more."""
+        self.running[req_id] = RunningRequest(
+            tuple(list(b) for b in block_ids), num_computed_tokens + num_scheduled_tokens
+        )
+
+    # ------------------------------------------------------------------ preemption
+
+    def on_preempted(self, req_id: str) -> TransferJob | None:
+        """The request was preempted (its device blocks are free now, and may be
+        reused by this very step). Plan the store of its KV, or fall back."""
+        run = self.running.pop(req_id, None)
+        self._drop(req_id)  # an older state of the same request is stale now
+        if run is None or run.kv_tokens <= 0:
+            return None  # never ran: nothing to keep
+        if not self.supported:
+            self._fallback(req_id, Fallback.UNSUPPORTED, "its KV cache is not paged attention")
+            return None
+        layout: list[list[int | None]] = []
+        device: list[int] = []
+        for group, blocks in zip(self.groups, run.block_ids):
+            # Clip to the blocks holding KV: speculative lookahead blocks hold none.
+            n = min(_ceil_div(run.kv_tokens, group.block_size), len(blocks))
+            kept = [b if b != self.null_block_id else None for b in blocks[:n]]
+            layout.append(kept)
+            device.extend(b for b in kept if b is not None)
+        if not device:
+            return None
+        # Host blocks are owned by the store job, so a request's later copies never mix.
+        owner = next(self._jobs)
+        host = self.pool.allocate_owned(owner, len(device), evict=False)
+        if host is None:
+            self._fallback(
+                req_id,
+                Fallback.CAPACITY,
+                f"CPU cache free blocks are insufficient ({len(device)} needed, "
+                f"{self.pool.num_free} free of {self.pool.num_blocks})",
+            )
+            return None
+        it = iter(host)
+        host_layout = tuple([None if b is None else next(it) for b in group] for group in layout)
+        job = TransferJob(owner, req_id, device, list(host), run.kv_tokens)
+        self.pool.pin(host, write=True)
+        state = PreemptedRequestState(
+            req_id, Phase.STORING, run.kv_tokens, host_layout, job.job_id, owner, list(host)
+        )
+        self.preempted[req_id] = state
+        self._in_flight[job.job_id] = state
+        self._plan.stores.append(job)
+        self.log.info(
+            "Recompute preemption offload enabled for request %s: storing %d tokens "
+            "(%d device blocks) to host (%d of %d host blocks in use)",
+            req_id,
+            run.kv_tokens,
+            len(device),
+            self.host_blocks_in_use,
+            self.pool.num_blocks,
+        )
+        return job
+
+    # ------------------------------------------------------------------ resumption
+
+    def restorable_tokens(
+        self, req_id: str, num_tokens: int, num_local_computed_tokens: int
+    ) -> int | None:
+        """Tokens beyond ``num_local_computed_tokens`` (the device prefix-cache hit,
+        block aligned) that a restore would provide for a request of ``num_tokens``
+        tokens. ``None`` while its store is still unconfirmed (ask again next step)."""
+        state = self.preempted.get(req_id)
+        if state is None:
+            return 0
+        if state.phase == Phase.STORING:
+            if state.steps_waiting >= STORE_REPORT_TIMEOUT_STEPS:
+                if not state.timed_out:
+                    state.timed_out = True
+                    self._count_fallback(req_id, Fallback.STORE_TIMEOUT, "no store report")
+                return 0
+            return None
+        if state.phase != Phase.RESTORABLE:
+            return 0
+        tokens = min(state.num_tokens, num_tokens - 1)
+        if tokens <= num_local_computed_tokens:
+            return 0
+        if not self._covers(state, num_local_computed_tokens, tokens):
+            self._fallback(req_id, Fallback.WINDOW_GAP, "a block inside the window was not kept")
+            return 0
+        return tokens - num_local_computed_tokens
+
+    def _covers(self, state: PreemptedRequestState, start: int, end: int) -> bool:
+        """Whether every block a resume at ``end`` tokens reads beyond ``start`` is kept."""
+        for group, hosts in zip(self.groups, state.host_blocks):
+            bs = group.block_size
+            first = start // bs
+            if group.sliding_window:
+                # One token of margin below the window: never claim a block vLLM keeps.
+                first = max(first, max(0, end - group.sliding_window) // bs)
+            last = _ceil_div(end, bs)
+            if last > len(hosts) or any(h is None for h in hosts[first:last]):
+                return False
+        return True
+
+    def on_allocated(
+        self,
+        req_id: str,
+        block_ids: Sequence[Sequence[int]],
+        num_local_computed_tokens: int,
+        num_external_tokens: int,
+    ) -> TransferJob | None:
+        """vLLM allocated ``block_ids`` (per group, the request's whole table) for a
+        request it admits with ``num_external_tokens`` tokens to restore after its
+        ``num_local_computed_tokens`` prefix-cache hit. Plan the load."""
+        state = self.preempted.get(req_id)
+        if state is None:
+            return None
+        if num_external_tokens <= 0 or state.phase != Phase.RESTORABLE:
+            # Nothing to load (the prefix cache held it, another connector loads it, or
+            # the store was given up on): the host copy is not needed any more.
+            self._drop(req_id)
+            return None
+        end = num_local_computed_tokens + num_external_tokens
+        device: list[int] = []
+        host: list[int] = []
+        for group, blocks, hosts in zip(self.groups, block_ids, state.host_blocks):
+            bs = group.block_size
+            # Clip to what is allocated (the load never writes lookahead blocks).
+            stop = min(_ceil_div(end, bs), len(blocks))
+            for i in range(num_local_computed_tokens // bs, stop):
+                dev = blocks[i]
+                if dev == self.null_block_id:
+                    continue  # outside the window now: nothing to restore there
+                h = hosts[i] if i < len(hosts) else None
+                if h is None:
+                    self._plan.unrestorable_device_blocks.append(dev)
+                    continue
+                device.append(dev)
+                host.append(h)
+        job = TransferJob(next(self._jobs), req_id, device, host, num_external_tokens)
+        state.phase = Phase.LOADING
+        state.job_id = job.job_id
+        state.ranks_ok = state.ranks_failed = 0
+        state.load_tokens = num_external_tokens
+        self.pool.pin(host, write=False)
+        state.pinned = list(host)
+        self._in_flight[job.job_id] = state
+        self._plan.loads.append(job)
+        self.log.info(
+            "Prepared recompute offload H2D load for request %s: %d tokens (%d blocks) "
+            "after %d tokens from the device prefix cache",
+            req_id,
+            num_external_tokens,
+            len(device),
+            num_local_computed_tokens,
+        )
+        return job
+
+    # ------------------------------------------------------------------ finish, abort
+
+    def on_finished(self, req_id: str) -> None:
+        """The request finished or was aborted (maybe while preempted): free its host
+        blocks now, or as soon as a copy in flight on them ends."""
+        self.running.pop(req_id, None)
+        self._drop(req_id)
+
+    # ------------------------------------------------------------------ steps
+
+    def build_step_plan(self) -> StepPlan:
+        """The copies planned since the last call (one call per engine step)."""
+        for state in self.preempted.values():
+            if state.phase == Phase.STORING:
+                state.steps_waiting += 1
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def on_worker_report(self, report: WorkerReport) -> None:
+        """Outcomes of copies, summed over the ranks that reported this step."""
+        for job_id, (ok, failed) in report.stores.items():
+            self._on_job_report(job_id, ok, failed, "store")
+        for job_id, (ok, failed) in report.loads.items():
+            self._on_job_report(job_id, ok, failed, "load")
+
+    def _on_job_report(self, job_id: int, ok: int, failed: int, kind: str) -> None:
+        state = self._in_flight.get(job_id)
+        if state is None:
+            return
+        state.ranks_ok += ok
+        state.ranks_failed += failed
+        if state.ranks_ok + state.ranks_failed < self.world_size:
+            return  # other ranks still copying
+        failed_any = state.ranks_failed > 0
+        if kind == "store":
+            if state.free_when_done or failed_any or state.timed_out:
+                if failed_any:
+                    self._count_fallback(
+                        state.req_id, Fallback.STORE_FAILED, "a rank's copy failed"
+                    )
+                self._release(state)
+                return
+            del self._in_flight[job_id]
+            self.pool.unpin(state.pinned, write=True)
+            state.pinned = []
+            state.phase = Phase.RESTORABLE
+            state.ranks_ok = state.ranks_failed = 0
+            self.stats.preemptions_offloaded += 1
+            self.stats.tokens_stored += state.num_tokens
+            self.log.info(
+                "Created recompute offload state for request %s: %d tokens in %d host "
+                "blocks, restorable on resume",
+                state.req_id,
+                state.num_tokens,
+                len(state.all_host_blocks),
+            )
+            return
+        # A load: the host copy has served (or failed: the workers reported the device
+        # blocks as failed loads and vLLM recomputes them). Either way it is done.
+        if failed_any:
+            self._count_fallback(state.req_id, Fallback.LOAD_FAILED, "a rank's copy failed")
+        else:
+            self.stats.restores += 1
+            self.stats.tokens_restored += state.load_tokens
+        self._release(state)
+
+    # ------------------------------------------------------------------ internals
+
+    def _release(self, state: PreemptedRequestState) -> None:
+        """Forget ``state`` and free its host blocks (its copy in flight has ended)."""
+        if state.pinned:
+            self.pool.unpin(state.pinned, write=state.phase == Phase.STORING)
+            state.pinned = []
+        if self.preempted.get(state.req_id) is state:
+            del self.preempted[state.req_id]
+        self._in_flight.pop(state.job_id, None)
+        self.pool.free_owned(state.owner)
+
+    def _drop(self, req_id: str) -> None:
+        """Drop a request's state now, or once its copy in flight ends."""
+        state = self.preempted.pop(req_id, None)
+        if state is None:
+            return
+        if state.job_id in self._in_flight:
+            state.free_when_done = True  # freed by the workers' report
+        else:
+            self._release(state)
+
+    def _fallback(self, req_id: str, reason: Fallback, detail: str) -> None:
+        self._drop(req_id)
+        self._count_fallback(req_id, reason, detail)
+
+    def _count_fallback(self, req_id: str, reason: Fallback, detail: str) -> None:
+        self.stats.fallbacks[reason.value] += 1
+        if reason == Fallback.CAPACITY:
+            self.log.warning(
+                "Recompute offload skipped for request %s: %s; it will be recomputed. "
+                "Raise cpu_bytes_to_use_per_rank if this repeats.",
+                req_id,
+                detail,
+            )
+        else:
+            self.log.warning(
+                "Recompute offload fallback (%s) for request %s: %s; it will be recomputed",
+                reason.value,
+                req_id,
+                detail,
+            )
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def host_blocks_in_use(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    def take_stats(self) -> SchedulerStats:
+        """Counters since the last call."""
+        stats, self.stats = self.stats, SchedulerStats()
+        return stats
+
+    def phase_of(self, req_id: str) -> Phase | None:
+        state = self.preempted.get(req_id)
+        return state.phase if state is not None else None
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the bookkeeping is inconsistent (for tests)."""
+        self.pool.check_invariants()
+        live = {s.owner: s for s in self.preempted.values()}
+        live.update({s.owner: s for s in self._in_flight.values()})
+        owned = set(self.pool.owners())
+        assert owned == set(live), f"owners differ: pool {owned}, states {set(live)}"
+        for owner, state in live.items():
+            assert sorted(state.all_host_blocks) == sorted(self.pool.owned_blocks(owner))
+        for state in self.preempted.values():
+            assert not state.free_when_done, "a dropped state is still listed as preempted"
+            in_flight = state.phase != Phase.RESTORABLE
+            assert in_flight == (state.job_id in self._in_flight), f"{state.req_id}: job lost"
+
+    @property
+    def num_in_flight(self) -> int:
+        """Copies planned and not yet reported by every rank."""
+        return len(self._in_flight)
