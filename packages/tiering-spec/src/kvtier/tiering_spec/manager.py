@@ -61,7 +61,7 @@ class TierManager:
         pool: the host tier's block pool (capacity = host blocks).
         fs_tiers: secondary tiers, searched in order on a host miss.
         max_write_backlog: host blocks that may be pinned waiting for fs writes;
-            beyond it new write-throughs are dropped (counted). Default: half the pool.
+            beyond it new write-throughs are dropped (counted). Default: 3/4 of the pool.
     """
 
     def __init__(
@@ -74,7 +74,7 @@ class TierManager:
         self.pool = pool
         self.fs_tiers = list(fs_tiers)
         self.max_write_backlog = (
-            max_write_backlog if max_write_backlog is not None else max(1, pool.num_blocks // 2)
+            max_write_backlog if max_write_backlog is not None else max(1, pool.num_blocks * 3 // 4)
         )
         self.counters = TierCounters()
         self._promoting: dict[bytes, int] = {}  # key -> tier index

@@ -1,0 +1,192 @@
+"""The tier manager: host hits, write-through, promotions, faults as misses, metrics."""
+
+from __future__ import annotations
+
+import time
+
+from kvtier.blockpool import HostBlockPool
+from kvtier.tiering_spec import metrics
+from kvtier.tiering_spec.fsformat import key_digest
+from kvtier.tiering_spec.manager import Lookup, TierManager
+
+from .conftest import PAYLOAD, Region
+
+
+def settle(mgr: TierManager, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while mgr.has_pending_work() and time.monotonic() < deadline:
+        time.sleep(0.002)
+        mgr.poll()
+    assert not mgr.has_pending_work(), "fs jobs did not finish"
+
+
+def store(mgr: TierManager, region: Region | None, keys: list[bytes]) -> list[int]:
+    plan = mgr.prepare_store(keys)
+    assert plan is not None
+    to_store, blocks, _ = plan
+    if region is not None:
+        for k, b in zip(to_store, blocks):
+            region.fill(0, b, int.from_bytes(key_digest(k)[:4], "little"))
+    mgr.complete_store(to_store)
+    return blocks
+
+
+def test_host_tier_lookup_states() -> None:
+    mgr = TierManager(HostBlockPool(4))
+    assert mgr.lookup(b"a") is Lookup.MISS
+    plan = mgr.prepare_store([b"a"])
+    assert plan is not None and plan[0] == [b"a"]
+    assert mgr.lookup(b"a") is Lookup.HIT_PENDING, "a store in flight is pending"
+    mgr.complete_store([b"a"])
+    assert mgr.lookup(b"a") is Lookup.HIT
+    blocks = mgr.prepare_load([b"a"])
+    assert blocks == plan[1]
+    mgr.complete_load([b"a"])
+    assert mgr.counters.host_hits == 1
+
+
+def test_a_failed_store_is_a_miss() -> None:
+    mgr = TierManager(HostBlockPool(2))
+    mgr.prepare_store([b"a"])
+    mgr.complete_store([b"a"], success=False)
+    assert mgr.lookup(b"a") is Lookup.MISS
+
+
+def test_store_threshold_counts_offers() -> None:
+    mgr = TierManager(HostBlockPool(4, store_threshold=2))
+    first = mgr.prepare_store([b"a"])
+    assert first is not None and first[0] == [], "first offer only counts"
+    second = mgr.prepare_store([b"a"])
+    assert second is not None and second[0] == [b"a"]
+    assert mgr.pool.stores_skipped == 1
+
+
+def test_stored_blocks_are_written_through_and_promoted_back(make_tier) -> None:
+    region = Region(2)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(2), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a", b"b"])
+    settle(mgr)
+    assert tier.has(key_digest(b"a")) and tier.has(key_digest(b"b"))
+    assert mgr.write_pinned_blocks == 0
+    expected_a = region.block(0, mgr.pool.block_of(b"a"))
+    store(mgr, region, [b"c", b"d"])  # evicts a and b from the host tier
+    settle(mgr)
+    assert not mgr.pool.contains(b"a")
+    assert mgr.lookup(b"a") is Lookup.HIT_PENDING, "an fs hit starts a promotion"
+    settle(mgr)
+    assert mgr.lookup(b"a") is Lookup.HIT
+    assert region.block(0, mgr.pool.block_of(b"a")) == expected_a
+    assert mgr.load_source(b"a") == "fs"
+    assert mgr.counters.promotions == 1
+
+
+def test_a_corrupt_file_is_a_miss_and_never_becomes_a_hit(make_tier) -> None:
+    region = Region(1)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(1), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a"])
+    settle(mgr)
+    store(mgr, region, [b"b"])
+    settle(mgr)
+    [path] = tier.paths(key_digest(b"a"))
+    with open(path, "r+b") as f:
+        f.seek(5000)
+        f.write(b"\x00garbage")
+    assert mgr.lookup(b"a") is Lookup.HIT_PENDING
+    settle(mgr)
+    assert mgr.lookup(b"a") is Lookup.MISS
+    assert tier.faults()["corrupt"] == 1 and mgr.counters.promotion_failures == 1
+    mgr.pool.check_invariants()
+
+
+def test_a_promotion_never_evicts_the_keys_its_own_lookup_pass_found(make_tier) -> None:
+    region = Region(3)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(3), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a", b"b", b"c"])
+    settle(mgr)
+    store(mgr, region, [b"x"])  # a is evicted (least recently used)
+    settle(mgr)
+    mgr.touch([b"b", b"c"])
+    mgr.end_step()
+    # request r looks up b, c (host hits), then a (fs): the promotion must evict x
+    assert mgr.lookup(b"b", "r") is Lookup.HIT
+    assert mgr.lookup(b"c", "r") is Lookup.HIT
+    assert mgr.lookup(b"a", "r") is Lookup.HIT_PENDING
+    assert mgr.pool.contains(b"b") and mgr.pool.contains(b"c")
+    assert not mgr.pool.contains(b"x")
+
+
+def test_promotion_without_host_room_is_a_miss(make_tier) -> None:
+    region = Region(1)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(1), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a"])
+    settle(mgr)
+    store(mgr, region, [b"b"])
+    settle(mgr)
+    mgr.prepare_load([b"b"])  # the only host block is pinned by a load
+    assert mgr.lookup(b"a") is Lookup.MISS
+    assert mgr.counters.promotion_allocation_failures == 1
+
+
+def test_write_backlog_limit_drops_write_throughs(make_tier) -> None:
+    region = Region(4)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(4), [tier], max_write_backlog=1)
+    store(mgr, region, [b"a", b"b"])
+    assert mgr.counters.writes_dropped == 1
+    settle(mgr)
+    mgr.pool.check_invariants()
+
+
+def test_reset_keeps_files_and_empties_the_host_tier(make_tier) -> None:
+    region = Region(2)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(2), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a"])
+    mgr.reset(HostBlockPool(2))
+    assert not mgr.pool.contains(b"a")
+    assert tier.has(key_digest(b"a"))
+
+
+def test_every_emitted_metric_is_declared(make_tier) -> None:
+    region = Region(2)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(2, store_threshold=0), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a"])
+    settle(mgr)
+    for tiering in (False, True):
+        declared = metrics.metric_table({}, tiering=tiering)
+        emitter = metrics.MetricsEmitter(mgr, tiering=tiering)
+        for kind, name, _value, labels in emitter.collect():
+            assert name in declared, f"{name} is emitted but not declared"
+            assert declared[name][0] == kind, name
+            assert len(declared[name][2]) == len(labels), name
+
+
+def test_counters_are_emitted_as_increments() -> None:
+    mgr = TierManager(HostBlockPool(2))
+    em = metrics.MetricsEmitter(mgr, tiering=False)
+    mgr.lookup(b"a")
+    first = {n: v for k, n, v, _ in em.collect() if k == "counter"}
+    second = {n: v for k, n, v, _ in em.collect() if k == "counter"}
+    assert first[metrics.HOST_QUERIES] == 1 and second[metrics.HOST_QUERIES] == 0
+
+
+def test_usage_gauges_follow_the_excerpts_meanings() -> None:
+    mgr = TierManager(HostBlockPool(4))
+    mgr.prepare_store([b"a", b"b"])  # 2 of 4 blocks pinned by stores in flight
+    mgr.complete_store([b"b"])
+    mgr.prepare_load([b"b"])  # 1 of 4 pinned by a load
+    g = {
+        n: v for k, n, v, _ in metrics.MetricsEmitter(mgr, tiering=False).collect() if k == "gauge"
+    }
+    assert g[metrics.CPU_CACHE_WRITE_USAGE_PERC] == 0.25
+    assert g[metrics.CPU_CACHE_READ_USAGE_PERC] == 0.25
+    assert g[metrics.CPU_CACHE_USAGE_PERC] == 0.5
+
+
+def test_payload_constant_is_aligned() -> None:
+    assert PAYLOAD % 4096 == 0
