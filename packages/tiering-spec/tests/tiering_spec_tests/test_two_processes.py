@@ -50,11 +50,13 @@ while time.monotonic() < end:
     tier.drain()
     for res in tier.poll():
         if res.op == "read" and res.ok:
-            ok = bytes(view[res.block_id * PAYLOAD:(res.block_id + 1) * PAYLOAD]) == content(keys.index(res.key))
+            got = bytes(view[res.block_id * PAYLOAD:(res.block_id + 1) * PAYLOAD])
+            ok = got == content(keys.index(res.key))
             good += ok
             bad += not ok
 tier.shutdown()
-print(json.dumps({"good": good, "bad": bad, "reads": reads, "writes": writes, "faults": tier.faults()}))
+summary = {"good": good, "bad": bad, "reads": reads, "writes": writes}
+print(json.dumps({**summary, "faults": tier.faults()}))
 """
 
 
