@@ -130,15 +130,13 @@ class ARCPolicy:
         t1, t2 = self.t1, self.t2
         if len(keys) == 1:  # the common case, without the iterator
             key = keys[0]
-            if key in t1:
-                del t1[key]
+            if t1.pop(key, t1) is None:  # values are None; t1 itself marks "absent"
                 t2[key] = None
             elif key in t2:
                 t2.move_to_end(key)
             return
         for key in reversed(keys):
-            if key in t1:
-                del t1[key]
+            if t1.pop(key, t1) is None:
                 t2[key] = None
             elif key in t2:
                 t2.move_to_end(key)

@@ -145,10 +145,10 @@ class HostBlockPool:
             eviction_policy, self.num_blocks, cache_policy_module_path
         )
         self._alloc = RunAllocator(self.num_blocks)
-        # Readable keys and keys being written live in separate maps, so a lookup is
-        # one membership test per key.
-        self._cached: dict[Any, int] = {}  # key -> block, state CACHED
-        self._storing: dict[Any, int] = {}  # key -> block, state STORING
+        # key -> block for cached keys, ~block (< 0) for keys being stored: one map, so
+        # finishing a store rewrites a value instead of moving a key between maps.
+        self._keys: dict[Any, int] = {}
+        self._num_storing = 0
         self._block_key: list[Any] = [None] * self.num_blocks
         self._state = bytearray(self.num_blocks)
         # Pins: cached keys being read by loads (key -> count; absent = unpinned), and
@@ -168,12 +168,11 @@ class HostBlockPool:
         self._histogram = [0] * (len(ALLOCATION_BUCKETS) + 1)
         self.enable_events = enable_events
         self._events: list[CacheEvent] = []
-        cached, pins = self._cached, self._load_pins
+        keys, pins = self._keys, self._load_pins
 
         def evictable(key: Hashable) -> bool:
-            # The policy only knows keys that are storing or cached; storing ones
-            # are not in ``cached`` and so are refused.
-            return key in cached and key not in pins
+            # The policy knows keys that are storing or cached; storing ones are < 0.
+            return keys[key] >= 0 and key not in pins
 
         self._evictable = evictable
         # One Python call per touch instead of two: it is the hottest call per step.
@@ -185,20 +184,21 @@ class HostBlockPool:
         """Number of leading ``keys`` whose blocks are cached and readable now."""
         if self.filter is not None:
             self.filter.record(keys)
-        cached = self._cached
+        get = self._keys.get
         hits = 0
         for key in keys:
-            if key not in cached:
+            block = get(key, -1)
+            if block < 0:
                 return hits
             hits += 1
         return hits
 
     def contains(self, key: Hashable) -> bool:
         """Whether ``key`` is cached and readable (no side effects on order or filter)."""
-        return key in self._cached
+        return self._keys.get(key, -1) >= 0
 
     def is_storing(self, key: Hashable) -> bool:
-        return key in self._storing
+        return self._keys.get(key, 0) < 0
 
     def prepare_store(self, keys: Sequence[Hashable]) -> StorePlan | None:
         """Reserve blocks for the ``keys`` not yet present and admitted by the filter.
@@ -206,8 +206,8 @@ class HostBlockPool:
         Evicts unpinned cached keys (never one of ``keys``) when free blocks are
         short. Returns ``None``, changing nothing, when room cannot be made.
         """
-        cached, storing = self._cached, self._storing
-        new_keys = [k for k in keys if k not in cached and k not in storing]
+        table = self._keys
+        new_keys = [k for k in keys if k not in table]
         flt = self.filter
         if flt is not None and new_keys:
             admitted = [k for k in new_keys if flt.admits(k)]
@@ -228,9 +228,10 @@ class HostBlockPool:
             blocks = alloc.allocate(n)
         state, block_key = self._state, self._block_key
         for key, block in zip(new_keys, blocks):
-            storing[key] = block
+            table[key] = ~block
             block_key[block] = key
             state[block] = KEYED
+        self._num_storing += n
         self.policy.insert(new_keys)
         self._histogram[min(((n - 1).bit_length() + 1) >> 1, len(ALLOCATION_BUCKETS))] += 1
         return StorePlan(new_keys, blocks, evicted)
@@ -243,20 +244,20 @@ class HostBlockPool:
         Returns the victims and their blocks (now FREE-to-reuse, not in the
         allocator), or ``None`` with nothing changed.
         """
-        cached = self._cached
-        protected = {k for k in request_keys if k in cached}
+        table = self._keys
+        protected = {k for k in request_keys if table.get(k, -1) >= 0}
         if protected:
             pins = self._load_pins
 
             def evictable(key: Hashable) -> bool:
-                return key in cached and key not in pins and key not in protected
+                return table[key] >= 0 and key not in pins and key not in protected
 
             victims = self.policy.evict(n, evictable)
         else:
             victims = self.policy.evict(n, self._evictable)
         if victims is None:
             return None
-        blocks = [cached.pop(key) for key in victims]
+        blocks = [table.pop(key) for key in victims]
         block_key = self._block_key
         for block in blocks:
             block_key[block] = None
@@ -266,26 +267,27 @@ class HostBlockPool:
 
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> None:
         """Finish a store: the blocks become readable, or on failure are freed."""
-        storing = self._storing
+        table = self._keys
         if success:
-            cached = self._cached
-            if self.enable_events:
-                done = [k for k in keys if k in storing]
-                if done:
-                    self._events.append(CacheEvent("stored", tuple(done)))
-            for key in keys:
-                block = storing.pop(key, None)
-                if block is not None:
-                    cached[key] = block
+            get = table.get
+            stored = [k for k in keys if get(k, 0) < 0]
+            for key in stored:
+                table[key] = ~table[key]
+            self._num_storing -= len(stored)
+            if stored and self.enable_events:
+                self._events.append(CacheEvent("stored", tuple(stored)))
             return
         freed: list[int] = []
         for key in keys:
-            block = storing.pop(key, None)
-            if block is not None:
+            block = table.get(key, 0)
+            if block < 0:
+                del table[key]
+                block = ~block
                 self._block_key[block] = None
                 self._state[block] = FREE
                 self.policy.remove(key)
                 freed.append(block)
+        self._num_storing -= len(freed)
         self._alloc.free(freed)
 
     def prepare_load(self, keys: Sequence[Hashable]) -> list[int]:
@@ -293,12 +295,14 @@ class HostBlockPool:
 
         Raises ``KeyError`` (pinning nothing) if a key is not cached and readable.
         """
-        cached = self._cached
+        table = self._keys
         try:
-            blocks = [cached[k] for k in keys]
+            blocks = [table[k] for k in keys]
         except KeyError as exc:
-            state = "being stored" if exc.args[0] in self._storing else "not cached"
-            raise KeyError(f"cannot load key {exc.args[0]!r}: it is {state}") from None
+            raise KeyError(f"cannot load key {exc.args[0]!r}: it is not cached") from None
+        if min(blocks, default=0) < 0:
+            key = next(k for k, b in zip(keys, blocks) if b < 0)
+            raise KeyError(f"cannot load key {key!r}: it is being stored")
         pins = self._load_pins
         get = pins.get
         for key in keys:
@@ -340,8 +344,9 @@ class HostBlockPool:
     def evict_all(self) -> list[Hashable]:
         """Evict every unpinned cached key (for a reset); returns them."""
         pins = self._load_pins
-        keys = [k for k in self._cached if k not in pins]
-        blocks = [self._cached.pop(k) for k in keys]
+        table = self._keys
+        keys = [k for k, b in table.items() if b >= 0 and k not in pins]
+        blocks = [table.pop(k) for k in keys]
         for key, block in zip(keys, blocks):
             self.policy.remove(key)
             self._block_key[block] = None
@@ -438,18 +443,18 @@ class HostBlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached)
+        return len(self._keys) - self._num_storing
 
     def block_of(self, key: Hashable) -> int | None:
         """The block of a cached or storing key, else ``None``."""
-        block = self._cached.get(key)
-        return self._storing.get(key) if block is None else block
+        block = self._keys.get(key)
+        return None if block is None else (~block if block < 0 else block)
 
     def state_of(self, block: int) -> str:
         """``"free"``, ``"storing"``, ``"cached"`` or ``"owned"``."""
         state = self._state[block]
         if state == KEYED:
-            return "cached" if self._block_key[block] in self._cached else "storing"
+            return "cached" if self._keys[self._block_key[block]] >= 0 else "storing"
         return "owned" if state == OWNED else "free"
 
     def is_pinned(self, block: int) -> bool:
@@ -457,7 +462,7 @@ class HostBlockPool:
         return (
             block in self._owned_read_pins
             or block in self._owned_write_pins
-            or (key is not None and (key in self._load_pins or key in self._storing))
+            or (key is not None and (key in self._load_pins or self._keys[key] < 0))
         )
 
     def free_runs(self) -> list[tuple[int, int]]:
@@ -472,11 +477,11 @@ class HostBlockPool:
         return PoolStats(
             capacity=self.num_blocks,
             free=self._alloc.num_free,
-            storing=len(self._storing),
-            cached=len(self._cached),
+            storing=self._num_storing,
+            cached=self.num_cached,
             owned=self._num_owned,
             read_pinned=len(self._load_pins) + len(self._owned_read_pins),
-            write_pinned=len(self._storing) + len(self._owned_write_pins),
+            write_pinned=self._num_storing + len(self._owned_write_pins),
             stores_skipped=self.stores_skipped,
             allocation_histogram=list(self._histogram),
         )
@@ -487,7 +492,8 @@ class HostBlockPool:
         for s in self._state:
             counts[s] += 1
         assert counts[FREE] == self._alloc.num_free, "free count differs from allocator"
-        assert counts[KEYED] == len(self._storing) + len(self._cached), "keyed count drifted"
+        assert counts[KEYED] == len(self._keys), "keyed count drifted"
+        assert self._num_storing == sum(1 for b in self._keys.values() if b < 0)
         assert counts[OWNED] == self._num_owned, "owned count drifted"
         assert sum(counts) == self.num_blocks
         free_ids = [b for s, e in self._alloc.runs() for b in range(s, e)]
@@ -497,14 +503,13 @@ class HostBlockPool:
         assert len(owned) == len(set(owned)) == counts[OWNED], "a block is owned twice"
         assert all(self._state[b] == OWNED for b in owned)
         seen: set[int] = set()
-        assert not self._cached.keys() & self._storing.keys(), "a key is cached and storing"
-        for table in (self._cached, self._storing):
-            for key, block in table.items():
-                assert block not in seen, f"block {block} holds two keys"
-                seen.add(block)
-                assert self._block_key[block] == key
-                assert self._state[block] == KEYED
+        for key, value in self._keys.items():
+            block = ~value if value < 0 else value
+            assert block not in seen, f"block {block} holds two keys"
+            seen.add(block)
+            assert self._block_key[block] == key
+            assert self._state[block] == KEYED
         assert len(seen) == counts[KEYED]
-        assert all(key in self._cached and n > 0 for key, n in self._load_pins.items())
+        assert all(self._keys[key] >= 0 and n > 0 for key, n in self._load_pins.items())
         for pins in (self._owned_read_pins, self._owned_write_pins):
             assert all(self._state[b] == OWNED and n > 0 for b, n in pins.items())
