@@ -74,6 +74,7 @@ __all__ = [
     "make_workload",
     "metric_values",
     "read_spec",
+    "requires_vllm",
     "run_with",
     "run_workload",
     "scheduler_of",
@@ -87,3 +88,16 @@ def vllm_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+def _requires_vllm() -> object:
+    import pytest
+
+    return pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed here")
+
+
+def __getattr__(name: str) -> object:
+    # ``requires_vllm`` is a pytest mark; built on first use so importing the kit needs no pytest.
+    if name == "requires_vllm":
+        return _requires_vllm()
+    raise AttributeError(name)

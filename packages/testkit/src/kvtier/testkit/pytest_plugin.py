@@ -8,7 +8,8 @@ sessions, see :func:`kvtier.testkit.default_model_root`):
 * ``tiny_model``: folder of the default tiny Llama (2 layers, hidden 128);
 * ``tiny_sliding_window_model``: the same as a Mistral with a 64-token sliding window.
 
-Markers: ``requires_vllm`` skips a test where vLLM cannot be imported.
+Marker ``requires_vllm`` (registered here; or use ``kvtier.testkit.requires_vllm``, a
+plain ``skipif``) skips a test where vLLM cannot be imported.
 """
 
 from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Fixtures for the recompute connector tests (tiny model, engine helpers)."""
+
+pytest_plugins = ["kvtier.testkit.pytest_plugin"]
