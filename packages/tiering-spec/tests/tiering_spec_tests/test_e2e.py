@@ -1,0 +1,185 @@
+"""End to end on vLLM's CPU platform with the tests' tiny model.
+
+Sixteen prompts: two passes over eight 128-token prefixes, each with its own suffix.
+A 12-block device cache cannot keep the prefixes between passes; the reference run
+has room for everything. Greedy outputs must match it token by token.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .e2e_common import ENGINE, ROOMY, offload_config, prefix_prompts
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+testkit = pytest.importorskip("kvtier.testkit")
+pytest.importorskip("vllm")
+
+from kvtier.testkit import Workload, compare_outputs, kv_transfer_config, run_with  # noqa: E402
+from kvtier.testkit.engine import kv_connector_of  # noqa: E402
+
+WORKLOAD = Workload(prefix_prompts(), 8)
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return testkit.make_tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def fs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fs-tier")
+
+
+def inspect(llm: Any) -> dict[str, Any]:
+    core = kv_connector_of(llm).connector_scheduler.manager.core
+    return {
+        "counters": core.counters,
+        "fs": [(t.stats, t.faults()) for t in core.fs_tiers],
+    }
+
+
+_runs: dict[str, Any] = {}
+
+
+def run(name: str, model: Path, **engine: Any) -> tuple[Any, Any]:
+    if name not in _runs:
+        _runs[name] = run_with(
+            model, WORKLOAD, inspect=inspect if "kv_transfer_config" in engine else None, **engine
+        )
+    return _runs[name]
+
+
+def reference(model: Path) -> Any:
+    return run("reference", model, **ROOMY)[0]
+
+
+def no_offload(model: Path) -> Any:
+    return run("no-offload", model, **ENGINE)[0]
+
+
+def tiering(model: Path, fs_root: Path, name: str = "fs-first") -> tuple[Any, Any]:
+    cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(fs_root))
+    return run(name, model, kv_transfer_config=kv_transfer_config(cfg), **ENGINE)
+
+
+def assert_identical(ref: Any, got: Any) -> None:
+    cmp = compare_outputs(ref.outputs, got.outputs)
+    assert cmp.identical, cmp.report()
+
+
+def test_without_offload_the_device_cache_recomputes_the_prefixes(model: Path) -> None:
+    ref, plain = reference(model), no_offload(model)
+    assert_identical(ref, plain)
+    assert plain.scheduled_tokens > ref.scheduled_tokens
+
+
+def test_host_tier_hits_save_work_and_keep_outputs_identical(model: Path) -> None:
+    cfg = offload_config("CPUOffloadingSpec", host_chunks=64)
+    res, seen = run("host", model, kv_transfer_config=kv_transfer_config(cfg), **ENGINE)
+    assert_identical(reference(model), res)
+    assert res.metrics.get("vllm:external_prefix_cache_hits", 0) > 0, res.metrics
+    assert res.metrics.get("vllm:kvtier_host_hits", 0) > 0
+    assert seen["counters"].host_hits > 0
+    assert res.scheduled_tokens < no_offload(model).scheduled_tokens, (
+        res.scheduled_tokens,
+        no_offload(model).scheduled_tokens,
+    )
+
+
+def test_fs_tier_serves_what_the_small_host_tier_evicted(model: Path, fs_root: Path) -> None:
+    res, seen = tiering(model, fs_root)
+    assert_identical(reference(model), res)
+    stats, faults = seen["fs"][0]
+    assert stats.writes > 0 and stats.reads > 0, stats
+    assert seen["counters"].promotions > 0
+    assert not any(faults.values()), faults
+    assert res.metrics.get("vllm:kv_offload_tiering_read_bytes", 0) > 0
+    assert res.scheduled_tokens < no_offload(model).scheduled_tokens
+
+
+def test_a_second_engine_on_the_same_root_dir_hits_the_first_runs_files(
+    model: Path, fs_root: Path
+) -> None:
+    tiering(model, fs_root)  # the first engine wrote the files
+    res, seen = tiering(model, fs_root, name="fs-second")
+    assert_identical(reference(model), res)
+    stats, faults = seen["fs"][0]
+    assert stats.files_indexed_at_start > 0
+    assert stats.reads > 0 and seen["counters"].promotions > 0
+    assert not any(faults.values()), faults
+
+
+def test_files_corrupted_between_runs_are_counted_and_never_loaded(
+    model: Path, fs_root: Path
+) -> None:
+    tiering(model, fs_root)
+    files = list(fs_root.rglob("*.kv"))
+    assert files
+    for f in files:
+        with open(f, "r+b") as fh:
+            fh.seek(4096 + 1000)
+            byte = fh.read(1)
+            fh.seek(4096 + 1000)
+            fh.write(bytes([byte[0] ^ 0x5A]))
+    res, seen = tiering(model, fs_root, name="fs-corrupt")
+    assert_identical(reference(model), res)
+    _, faults = seen["fs"][0]
+    assert faults["corrupt"] > 0, faults
+    assert res.metrics.get("vllm:kvtier_fs_faults", 0) > 0
+
+
+@pytest.mark.parametrize("spec_name", ["CPUOffloadingSpec", "TieringOffloadingSpec"])
+def test_the_guides_examples_start_and_serve(model: Path, tmp_path: Path, spec_name: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    extra: dict[str, Any] = {
+        # The guide reserves 8 GiB; this shared test machine gets 256 MiB.
+        "cpu_bytes_to_use": 256 * (1 << 20),
+        "blocks_per_chunk": 8,
+        "spec_name": spec_name,
+    }
+    if spec_name == "TieringOffloadingSpec":
+        extra["secondary_tiers"] = [{"type": "fs", "root_dir": str(tmp_path / "vllm_kv_offload")}]
+    kv_transfer_config = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+    )
+    # gpu_memory_utilization is the guide's 0.5 on an NPU; on vLLM's CPU platform it is
+    # the share of host memory, so a shared test machine uses less.
+    llm = LLM(model=str(model), gpu_memory_utilization=0.15, kv_transfer_config=kv_transfer_config)
+    try:
+        sampling_params = SamplingParams(max_tokens=100, temperature=0.0)
+        outputs = llm.generate(["Hello, my name is"], sampling_params)
+        assert len(outputs[0].outputs[0].token_ids) == 100
+        manager = kv_connector_of(llm).connector_scheduler.manager
+        assert type(manager).__module__ == "kvtier.tiering_spec.vllm_adapter"
+    finally:
+        testkit.free_llm(llm)
+
+
+TP2_SCRIPT = Path(__file__).with_name("tp2_script.py")
+
+
+def test_tensor_parallel_2_hits_host_and_fs_tiers_and_keeps_ranks_apart(tmp_path: Path) -> None:
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    out = subprocess.run(
+        [sys.executable, str(TP2_SCRIPT), str(tmp_path / "fs")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=str(tmp_path),
+    )
+    tail = (out.stdout + out.stderr)[-4000:]
+    assert out.returncode == 0, tail
+    assert "TP2 OK" in out.stdout, tail
