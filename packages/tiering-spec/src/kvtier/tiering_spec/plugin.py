@@ -40,7 +40,8 @@ _state: dict[str, Any] = {"done": False, "overridden": False}
 
 def _loader(class_name: str) -> Callable[[], type]:
     def load() -> type:
-        return getattr(importlib.import_module(MODULE), class_name)  # type: ignore[no-any-return]
+        cls: type = getattr(importlib.import_module(MODULE), class_name)
+        return cls
 
     load.kvtier = True  # type: ignore[attr-defined]
     return load

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -256,7 +256,7 @@ class TieringOffloadingSpec(_KvtierSpec):
                 if regions is None:
                     return None
                 on_regions.extend(regions)
-                state["views"] = [memoryview(r.tensor.numpy()).cast("B") for r in regions]
+                state["views"] = [r.tensor.numpy().data.cast("B") for r in regions]
             return state["views"]
 
         tiers: list[FileSystemTier] = []
@@ -316,7 +316,9 @@ class KvtierOffloadingManager(OffloadingManager):
             return None
         to_store, blocks, evicted = plan
         return PrepareStoreOutput(
-            keys_to_store=to_store, store_spec=CPULoadStoreSpec(blocks), evicted_keys=evicted
+            keys_to_store=cast(Any, to_store),
+            store_spec=CPULoadStoreSpec(blocks),
+            evicted_keys=cast(Any, evicted),
         )
 
     def complete_store(
@@ -335,7 +337,7 @@ class KvtierOffloadingManager(OffloadingManager):
         for tier in self.core.fs_tiers:
             for removed, keys in tier.take_events():
                 yield OffloadingEvent(
-                    keys=list(keys),
+                    keys=cast(Any, list(keys)),
                     medium=Medium.STORAGE,
                     removed=removed,
                     locality=Locality(tier.cfg.locality),
