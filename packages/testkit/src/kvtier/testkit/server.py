@@ -64,9 +64,10 @@ class VllmServer:
         self.startup_timeout = startup_timeout
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
-        self._log_file = Path(
-            log_path or tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log").name
-        )
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
+            os.close(fd)
+        self._log_file = Path(log_path)
 
     @property
     def base_url(self) -> str:
