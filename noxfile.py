@@ -200,28 +200,38 @@ print("yes" if ok else "no")
 """
 
 
-@nox.session(name="test-npu", default=False)
+@nox.session(name="test-npu", default=False, venv_params=["--system-site-packages"])
 def test_npu(session: nox.Session) -> None:
-    """Tests marked `npu` on Ascend hardware. Skips where no NPU exists, unless NPU_REQUIRED=1."""
-    pkgs = list(PACKAGES.values())
-    # torch_npu must match the torch the host already has; do not pin it here.
-    install_packages(session, [p.dist for p in pkgs], *TEST_DEPS)
-    session.install("torch-npu", silent=True, success_codes=[0, 1])
+    """Tests marked `npu` on Ascend hardware. Skips where no NPU exists, unless NPU_REQUIRED=1.
+
+    The environment sees the host's site-packages: torch, torch_npu (and vLLM with
+    vllm-ascend, if present) must match the CANN install, so they are used as they are
+    and never installed here.
+    """
     found = session.run("python", "-c", _NPU_PROBE, silent=True) or ""
     if found.strip() != "yes":
         msg = "no Ascend NPU found (torch_npu missing or torch.npu.is_available() is false)"
         if os.environ.get("NPU_REQUIRED") == "1":
             session.error(msg + "; NPU_REQUIRED=1 makes this a failure")
         session.skip(msg + "; skipping the NPU tests")
+    has_vllm = (session.run("python", "-c", _VLLM_PROBE, silent=True) or "").strip() == "yes"
+    pkgs = [p for p in PACKAGES.values() if has_vllm or not _needs_vllm(p)]
+    # --no-deps: everything else comes from the host; the siblings from the working tree.
+    session.install("--no-deps", *[str(p.folder) for p in closure([p.dist for p in pkgs])])
+    session.install(*TEST_DEPS)
     session.run(
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "-m",
-        "npu",
-        *_test_paths(pkgs),
+        "pytest", "-p", "no:cacheprovider", "-m", "npu", *_test_paths(pkgs),
         env={"KVTIER_DEVICE": "npu"},
-    )
+    )  # fmt: skip
+
+
+_VLLM_PROBE = """
+try:
+    import vllm  # noqa: F401
+    print("yes")
+except Exception:
+    print("no")
+"""
 
 
 @nox.session(name="bench-blockpool")
