@@ -315,13 +315,10 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     "kvtier: this model has KV cache groups that are not paged attention; "
                     "preempted requests will be recomputed as usual"
                 )
-            if ktc.kv_load_failure_policy != "recompute":
-                logger.info(
-                    "kvtier: kv_load_failure_policy is %r: a failed restore fails the "
-                    "request instead of recomputing it; set it to 'recompute' (on the "
-                    "top-level MultiConnector config where one is used) to recompute",
-                    ktc.kv_load_failure_policy,
-                )
+            logger.info(
+                "kvtier: a failed restore follows the top-level kv_load_failure_policy: "
+                "'recompute' recomputes the request, vLLM's default 'fail' fails it"
+            )
         else:
             self.worker = RecomputeOffloadWorker(
                 self.config, bytes_per_block=self.block_bytes, rank=_rank(), log=logger

@@ -28,6 +28,10 @@ FORCED_PREEMPTION_ENGINE: dict[str, Any] = {
     "enforce_eager": True,
     "dtype": "float32",
     "disable_log_stats": False,
+    # On the CPU platform this is the fraction of host memory vLLM checks is free at
+    # start-up; the KV cache itself is sized by num_gpu_blocks_override. Low, so tests
+    # start on a machine shared with other work.
+    "gpu_memory_utilization": 0.2,
 }
 
 # The same engine with room for every request at once: the unpreempted reference.
@@ -103,6 +107,14 @@ def free_llm(llm: Any) -> None:
     """Shut an engine down and collect it, so the next one can start in this process."""
     try:
         llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    try:
+        # The worker-side KV connector is a process global; an in-process engine's must go
+        # with it, or the next engine in this process would reuse it.
+        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
     except Exception:
         pass
     del llm
