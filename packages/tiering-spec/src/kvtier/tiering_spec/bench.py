@@ -1,0 +1,408 @@
+"""Benchmark of kvtier's tiers: ``python -m kvtier.tiering_spec.bench [--json out.json]``.
+
+(a) fs tier: write then read ``--gib`` GiB in ``--block-mib`` MiB blocks, one block
+    per job, on one filesystem, three ways in one run:
+      * plain: one file written and read sequentially with O_DIRECT (the physical limit);
+      * kvtier: ``FileSystemTier`` (header + XXH3-64 checksum per file, temp name + rename);
+      * vllm: vLLM's ``FileSystemTierManager`` (no checksum), driven without an engine;
+    kvtier and vLLM use the same thread counts. Every side bypasses the page cache
+    with O_DIRECT where the filesystem accepts it; where it does not, every file is
+    dropped from the page cache (``posix_fadvise(DONTNEED)`` after ``fsync``) before it
+    is read back, for all three alike. CPU seconds are the process's user + system time.
+(b) the prefix workload on vLLM's CPU platform (needs kvtier-testkit): no offload,
+    host tier, host tier + fs tier: hit rates, prompt tokens computed, wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import mmap
+import os
+import random
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+from kvtier.tiering_spec.config import FsTierConfig
+from kvtier.tiering_spec.fstier import O_DIRECT, FileSystemTier, probe_o_direct
+
+GiB = 1 << 30
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def measure(fn: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of ``fn``."""
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, cpu_seconds() - c0
+
+
+def drop_cache(paths: list[str]) -> None:
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def all_files(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+
+
+def row(name: str, op: str, nbytes: int, wall: float, cpu: float) -> dict[str, Any]:
+    return {
+        "side": name,
+        "op": op,
+        "GB/s": nbytes / wall / 1e9,
+        "CPU s/GiB": cpu / (nbytes / GiB),
+        "wall_s": wall,
+    }
+
+
+def bench_plain(root: str, buf: mmap.mmap, block: int, direct: bool) -> list[dict[str, Any]]:
+    path = os.path.join(root, "plain.bin")
+    view = memoryview(buf)
+    n = len(buf) // block
+    flag = O_DIRECT if direct else 0
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+        try:
+            for i in range(n):
+                os.pwritev(fd, [view[i * block : (i + 1) * block]], i * block)
+        finally:
+            os.close(fd)
+
+    def read() -> None:
+        fd = os.open(path, os.O_RDONLY | flag)
+        try:
+            for i in range(n):
+                os.preadv(fd, [view[i * block : (i + 1) * block]], i * block)
+        finally:
+            os.close(fd)
+
+    w = measure(write)
+    if not direct:
+        drop_cache([path])
+    r = measure(read)
+    os.unlink(path)
+    return [
+        row("plain O_DIRECT" if direct else "plain", "write", len(buf), *w),
+        row("plain O_DIRECT" if direct else "plain", "read", len(buf), *r),
+    ]
+
+
+def bench_kvtier(root: str, buf: mmap.mmap, block: int, threads: int) -> list[dict[str, Any]]:
+    view = memoryview(buf)
+    n = len(buf) // block
+    cfg = FsTierConfig(root_dir=root, n_read_threads=threads, n_write_threads=threads)
+    tier = FileSystemTier(cfg, [{"bench": "kvtier", "rank": 0}], block, lambda: [view])
+    keys = [b"bench-key-%d" % i for i in range(n)]
+    from kvtier.tiering_spec.fsformat import key_digest
+
+    digests = [key_digest(k) for k in keys]
+
+    def write() -> None:
+        for i in range(n):
+            tier.submit_write(keys[i], digests[i], i)
+        tier.drain()
+        tier.poll()
+
+    def read() -> None:
+        for i in range(n):
+            tier.submit_read(keys[i], digests[i], i)
+        tier.drain()
+        tier.poll()
+
+    w = measure(write)
+    if not tier.direct:
+        drop_cache(all_files(root))
+    r = measure(read)
+    ok = tier.stats.reads == n and not any(tier.faults().values())
+    tier.shutdown()
+    if not ok:
+        raise RuntimeError(f"kvtier fs tier: {tier.stats}, faults {tier.faults()}")
+    return [
+        row("kvtier fs tier", "write", len(buf), *w),
+        row("kvtier fs tier", "read", len(buf), *r),
+    ]
+
+
+def bench_vllm(root: str, buf: mmap.mmap, block: int, threads: int) -> list[dict[str, Any]]:
+    np: Any = importlib.import_module("numpy")  # numpy comes with vLLM
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+    n = len(buf) // block
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=block,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id="bench",
+        model=OffloadingModelConfig(name="bench", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+    class SpecStandIn:
+        def __init__(self) -> None:
+            self.config = config
+            self.blocks_per_chunk = 1
+            self.kv_events_config = type("E", (), {"enable_kv_cache_events": False})()
+
+    arr = np.frombuffer(buf, dtype=np.uint8).reshape(n, block)
+    tier = FileSystemTierManager(
+        SpecStandIn(),  # type: ignore[arg-type]
+        memoryview(arr),
+        "fs",
+        root_dir=root,
+        n_read_threads=threads,
+        n_write_threads=threads,
+    )
+    ctx = ReqContext(req_id="bench")
+    keys = [(b"bench-key-%d" % i).ljust(36, b"\0") for i in range(n)]
+
+    def jobs(promotion: bool) -> None:
+        for i in range(n):
+            job = TransferJob(
+                job_id=i + (n if promotion else 0),
+                keys=cast(Any, [keys[i]]),
+                chunk_ids=np.array([i], dtype=np.int32),
+                is_promotion=promotion,
+                req_context=ctx,
+            )
+            (tier.submit_load if promotion else tier.submit_store)(job)
+        tier.drain_jobs()
+        done = list(tier.get_finished_jobs())
+        if len(done) != n or not all(d.success for d in done):
+            raise RuntimeError("vLLM fs tier: a job failed")
+
+    w = measure(lambda: jobs(False))
+    if not getattr(tier, "_use_o_direct", True):
+        drop_cache(all_files(root))
+    r = measure(lambda: jobs(True))
+    tier.shutdown()
+    return [row("vLLM fs tier", "write", len(buf), *w), row("vLLM fs tier", "read", len(buf), *r)]
+
+
+def fs_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    block = args.block_mib << 20
+    size = (int(args.gib * GiB) // block) * block
+    buf = mmap.mmap(-1, size)
+    rng = random.Random(0)
+    seed_block = rng.randbytes(block)
+    for i in range(size // block):  # distinct blocks, written once (pages touched)
+        buf[i * block : (i + 1) * block] = seed_block
+        buf[i * block : i * block + 8] = i.to_bytes(8, "little")
+    base = tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir)
+    direct = probe_o_direct(base)
+    rows: list[dict[str, Any]] = []
+    try:
+        for rep in range(args.repeat):
+            for name in args.sides:
+                root = os.path.join(base, f"{name}-{rep}")
+                os.makedirs(root)
+                if name == "plain":
+                    rows += bench_plain(root, buf, block, direct)
+                elif name == "kvtier":
+                    rows += bench_kvtier(root, buf, block, args.threads)
+                elif name == "vllm":
+                    try:
+                        rows += bench_vllm(root, buf, block, args.threads)
+                    except ImportError as exc:
+                        print(f"vLLM's fs tier skipped: {exc}", file=sys.stderr)
+                shutil.rmtree(root, ignore_errors=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["side"], r["op"])
+        if key not in best or r["GB/s"] > best[key]["GB/s"]:
+            best[key] = r
+    return {
+        "bytes": size,
+        "block_bytes": block,
+        "threads": args.threads,
+        "o_direct": direct,
+        "directory": args.dir or tempfile.gettempdir(),
+        "rows": list(best.values()),
+        "all_rows": rows,
+    }
+
+
+def print_fs(result: dict[str, Any]) -> None:
+    rows = result["rows"]
+    print(
+        f"\n(a) fs tier: {result['bytes'] / GiB:.2f} GiB in {result['block_bytes'] >> 20} MiB "
+        f"blocks, {result['threads']} threads, O_DIRECT={result['o_direct']}, best of runs"
+    )
+    print(f"{'side':<16}{'op':<7}{'GB/s':>8}{'CPU s/GiB':>11}{'vs plain':>10}{'vs vLLM':>9}")
+    ref = {(r["side"].startswith("plain"), r["op"]): r["GB/s"] for r in rows}
+    vl = {r["op"]: r for r in rows if r["side"] == "vLLM fs tier"}
+    for r in rows:
+        plain = ref.get((True, r["op"]))
+        v = vl.get(r["op"])
+        print(
+            f"{r['side']:<16}{r['op']:<7}{r['GB/s']:>8.2f}{r['CPU s/GiB']:>11.3f}"
+            f"{(r['GB/s'] / plain) if plain else float('nan'):>10.2f}"
+            f"{(r['GB/s'] / v['GB/s']) if v else float('nan'):>9.2f}"
+        )
+
+
+# ---------------------------------------------------------------------- (b) workload
+
+
+def prefix_prompts(groups: int, prefix: int, suffix: int, rounds: int) -> tuple:
+    rng = random.Random(1)
+    allowed = list(range(3, 512))
+    heads = [[rng.choice(allowed) for _ in range(prefix)] for _ in range(groups)]
+    return tuple(
+        tuple(heads[g] + [rng.choice(allowed) for _ in range(suffix)])
+        for _ in range(rounds)
+        for g in range(groups)
+    )
+
+
+def workload_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import kvtier.testkit as tk
+    except ImportError:
+        print("(b) skipped: kvtier-testkit is not installed", file=sys.stderr)
+        return []
+    model = tk.make_tiny_llama()
+    workload = tk.Workload(prefix_prompts(8, 128, 32, 2), 8)
+    engine: dict[str, Any] = {
+        "block_size": 32,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "disable_log_stats": False,
+        "max_model_len": 256,
+        "max_num_seqs": 2,
+        "num_gpu_blocks_override": 12,
+        "gpu_memory_utilization": 0.15,
+    }
+    chunk = 65536
+    root = tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=args.dir)
+
+    def offload(spec: str, chunks: int, fs: bool) -> dict[str, Any]:
+        extra: dict[str, Any] = {"cpu_bytes_to_use": chunks * chunk, "spec_name": spec}
+        if fs:
+            extra["secondary_tiers"] = [{"type": "fs", "root_dir": root}]
+        cfg = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+        return {"kv_transfer_config": tk.kv_transfer_config(cfg)}
+
+    cases = [
+        ("no offload", {}),
+        ("host tier (64 chunks)", offload("CPUOffloadingSpec", 64, False)),
+        ("host (10 chunks) + fs", offload("TieringOffloadingSpec", 10, True)),
+    ]
+    out = []
+    reference = None
+    try:
+        for name, extra in cases:
+            res, _ = tk.run_with(model, workload, **engine, **extra)
+            if reference is None:
+                reference = res
+            m = res.metrics
+            q = m.get("vllm:external_prefix_cache_queries", 0) + 0.0
+            hq = m.get("vllm:prefix_cache_queries", 0) + 0.0
+            out.append(
+                {
+                    "case": name,
+                    "device hit rate": m.get("vllm:prefix_cache_hits", 0) / hq if hq else 0.0,
+                    "offload hit rate": m.get("vllm:external_prefix_cache_hits", 0) / q
+                    if q
+                    else 0.0,
+                    "tokens computed": res.scheduled_tokens,
+                    "prompt tokens": workload.prompt_tokens,
+                    "wall_s": res.wall_s,
+                    "identical": tk.compare_outputs(reference.outputs, res.outputs).identical,
+                }
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def print_workload(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print("\n(b) prefix workload (16 prompts: 2 passes over 8 prefixes of 128 tokens), tiny model")
+    print(
+        f"{'case':<24}{'device hit':>11}{'offload hit':>12}{'computed':>10}{'wall s':>8}{'same':>6}"
+    )
+    for r in rows:
+        print(
+            f"{r['case']:<24}{r['device hit rate']:>11.2f}{r['offload hit rate']:>12.2f}"
+            f"{r['tokens computed']:>10}{r['wall_s']:>8.2f}{'yes' if r['identical'] else 'NO':>6}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--dir", help="directory on the filesystem to measure (default: $TMPDIR)")
+    p.add_argument("--gib", type=float, default=1.0, help="GiB written and read (default 1)")
+    p.add_argument("--block-mib", type=int, default=1, help="block size in MiB (default 1)")
+    p.add_argument("--threads", type=int, default=16, help="I/O threads per direction (16)")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each side, best kept (2)")
+    p.add_argument("--sides", nargs="+", default=["plain", "vllm", "kvtier"])
+    p.add_argument("--skip-fs", action="store_true", help="skip (a)")
+    p.add_argument("--skip-workload", action="store_true", help="skip (b)")
+    args = p.parse_args(argv)
+    result: dict[str, Any] = {}
+    if not args.skip_fs:
+        result["fs"] = fs_benchmark(args)
+        print_fs(result["fs"])
+    if not args.skip_workload:
+        result["workload"] = workload_benchmark(args)
+        print_workload(result["workload"])
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
