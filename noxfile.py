@@ -250,6 +250,22 @@ def bench_blockpool(session: nox.Session) -> None:
     )
 
 
+@nox.session(name="bench-tiering")
+def bench_tiering(session: nox.Session) -> None:
+    """kvtier's fs tier against plain O_DIRECT and vLLM's fs tier; the prefix workload."""
+    install_packages(session, ["kvtier-tiering-spec", "kvtier-testkit"], with_vllm=True)
+    out = ROOT / "out"
+    out.mkdir(exist_ok=True)
+    session.run(
+        "python",
+        "-m",
+        "kvtier.tiering_spec.bench",
+        "--json",
+        str(out / "bench-tiering.json"),
+        *session.posargs,
+    )
+
+
 def _dump_packages() -> str:  # used by `python noxfile.py` for a quick look
     return json.dumps(
         {
