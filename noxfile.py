@@ -234,6 +234,15 @@ except Exception:
 """
 
 
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: kvtier at work on this machine (tables, out/demo/report.json and .png)."""
+    install_packages(session, ["kvtier-demo"], with_vllm=True)
+    session.run(
+        "python", "-m", "kvtier.demo", "--out", str(ROOT / "out" / "demo"), *session.posargs
+    )
+
+
 @nox.session(name="bench-blockpool")
 def bench_blockpool(session: nox.Session) -> None:
     """kvtier's host block pool against vLLM's CPUOffloadingManager, same trace, one run."""
