@@ -28,12 +28,12 @@ import json
 import logging
 import mmap
 import os
+import queue
 import stat
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,10 +190,21 @@ class FileSystemTier:
         self._local = threading.local()
         self._tmp_counter = 0
         self._tmp_lock = threading.Lock()
-        self._readers = ThreadPoolExecutor(cfg.n_read_threads, thread_name_prefix="kvtier-fs-read")
-        self._writers = ThreadPoolExecutor(
-            cfg.n_write_threads, thread_name_prefix="kvtier-fs-write"
-        )
+        # Plain threads on C queues: a job costs one put and one get, no future objects.
+        self._readers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._writers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(
+                target=self._serve, args=(q,), name=f"kvtier-fs-{kind}-{i}", daemon=True
+            )
+            for q, kind, n in (
+                (self._readers, "read", cfg.n_read_threads),
+                (self._writers, "write", cfg.n_write_threads),
+            )
+            for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
         self._closed = False
         self._scan()
         logger.info(
@@ -372,11 +383,19 @@ class FileSystemTier:
 
     # ----------------------------------------------------------------- jobs
 
-    def _submit(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> None:
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[Any]) -> None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            job[0](*job[1])
+
+    def _submit(self, jobs: queue.SimpleQueue[Any], fn: Callable[..., Any], *args: Any) -> None:
         if self._closed:
             return
         self._inflight += 1
-        pool.submit(fn, *args)
+        jobs.put((fn, args))
 
     def submit_write(self, key: bytes, digest: bytes, block_id: int) -> bool:
         """Write host block ``block_id`` (all ranks) as ``key``. False if not submitted:
@@ -494,8 +513,10 @@ class FileSystemTier:
         if self._closed:
             return
         self._closed = True
-        self._readers.shutdown(wait=True)
-        self._writers.shutdown(wait=True)
+        for t in self._threads:
+            (self._readers if "read" in t.name else self._writers).put(None)
+        for t in self._threads:
+            t.join()
         self.poll()
         self._views = None
 
