@@ -277,6 +277,22 @@ def bench_tiering(session: nox.Session) -> None:
     )
 
 
+@nox.session(name="bench-recompute")
+def bench_recompute(session: nox.Session) -> None:
+    """RecomputeCPUOffloadConnector on the forced-preemption workload, with and without."""
+    install_packages(session, ["kvtier-recompute-connector", "kvtier-testkit"], with_vllm=True)
+    out = ROOT / "out"
+    out.mkdir(exist_ok=True)
+    session.run(
+        "python",
+        "-m",
+        "kvtier.recompute_connector.bench",
+        "--json",
+        str(out / "bench-recompute.json"),
+        *session.posargs,
+    )
+
+
 def _dump_packages() -> str:  # used by `python noxfile.py` for a quick look
     return json.dumps(
         {
