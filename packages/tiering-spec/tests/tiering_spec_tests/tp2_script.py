@@ -11,7 +11,12 @@ from pathlib import Path
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    try:
+        import kvtier.testkit  # noqa: F401
+    except ImportError:  # the monorepo's working tree, as conftest.py does
+        sys.path.append(str(here.parents[2] / "testkit" / "src"))
     from e2e_common import ENGINE, ROOMY, offload_config, prefix_prompts
 
     import kvtier.testkit as testkit
