@@ -186,7 +186,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy over every package's src/."""
-    install_packages(session, list(PACKAGES), "mypy")
+    install_packages(session, list(PACKAGES), "mypy", "pytest")
     srcs = [str(p.folder / "src") for p in PACKAGES.values()]
     # Each src/ is a root of the kvtier namespace; mypy needs them all on its path.
     session.run("mypy", *srcs, env={"MYPYPATH": os.pathsep.join(srcs)})
