@@ -17,9 +17,9 @@ from kvtier.testkit import (
     FORCED_PREEMPTION_WORKLOAD,
     REFERENCE_ENGINE,
     SLIDING_WINDOW_ENGINE,
-    SLIDING_WINDOW_WORKLOAD,
     WorkloadResult,
     compare_outputs,
+    make_workload,
     requires_vllm,
     run_with,
 )
@@ -187,18 +187,15 @@ def test_requests_aborted_while_preempted_leave_the_host_pool_empty(tiny_model: 
 def test_sliding_window_model_identical_and_null_blocks_never_copied(
     tiny_sliding_window_model: Path,
 ) -> None:
+    # Prompts longer than the 64-token window, so preempted requests hold null blocks
+    # (measured: 2 preemptions, one of them with a null block in its table).
+    workload = make_workload(8, 100, 80)
+    engine = {**SLIDING_WINDOW_ENGINE, "num_gpu_blocks_override": 12}
     ref, _ = run_with(
-        tiny_sliding_window_model,
-        SLIDING_WINDOW_WORKLOAD,
-        **{**SLIDING_WINDOW_ENGINE, "num_gpu_blocks_override": 64},
+        tiny_sliding_window_model, workload, **{**engine, "num_gpu_blocks_override": 64}
     )
     assert ref.preemptions == 0
-    run = run_connector(
-        tiny_sliding_window_model,
-        SLIDING_WINDOW_WORKLOAD,
-        standalone(),
-        engine=SLIDING_WINDOW_ENGINE,
-    )
+    run = run_connector(tiny_sliding_window_model, workload, standalone(), engine=engine)
     assert run.result.preemptions > 0
     comparison = compare_outputs(ref.outputs, run.result.outputs)
     assert comparison.identical, comparison.report()
