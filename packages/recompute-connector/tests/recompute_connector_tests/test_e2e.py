@@ -15,7 +15,6 @@ import pytest
 from kvtier.testkit import (
     FORCED_PREEMPTION_ENGINE,
     FORCED_PREEMPTION_WORKLOAD,
-    REFERENCE_ENGINE,
     SLIDING_WINDOW_ENGINE,
     WorkloadResult,
     compare_outputs,
@@ -33,22 +32,6 @@ from recompute_connector_tests.e2e_support import (
 pytestmark = [pytest.mark.e2e, requires_vllm]
 
 MIN_PREEMPTIONS = 10
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model: Path) -> WorkloadResult:
-    """The workload with room for every request: no preemption."""
-    result, _ = run_with(tiny_model, FORCED_PREEMPTION_WORKLOAD, **REFERENCE_ENGINE)
-    assert result.preemptions == 0, "the reference run must not preempt"
-    return result
-
-
-@pytest.fixture(scope="module")
-def without_connector(tiny_model: Path) -> WorkloadResult:
-    """The forced-preemption workload with vLLM's ordinary recompute."""
-    result, _ = run_with(tiny_model, FORCED_PREEMPTION_WORKLOAD, **FORCED_PREEMPTION_ENGINE)
-    assert result.preemptions >= MIN_PREEMPTIONS, f"only {result.preemptions} preemptions"
-    return result
 
 
 def assert_identical(reference: WorkloadResult, run: ConnectorRun) -> None:
