@@ -107,7 +107,8 @@ class RecomputeOffloadStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {COUNTERS: {}, GAUGES: {}}
+        empty: dict[str, Any] = {COUNTERS: {}, GAUGES: {}}
+        self.data = empty
 
     @property
     def counters(self) -> dict[str, float]:
