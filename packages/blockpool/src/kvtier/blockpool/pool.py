@@ -184,6 +184,8 @@ class HostBlockPool:
         """Number of leading ``keys`` whose blocks are cached and readable now."""
         if self.filter is not None:
             self.filter.record(keys)
+        elif len(keys) == 1:  # the common case, without loop bookkeeping
+            return 1 if self._keys.get(keys[0], -1) >= 0 else 0
         get = self._keys.get
         hits = 0
         for key in keys:
@@ -269,13 +271,24 @@ class HostBlockPool:
         """Finish a store: the blocks become readable, or on failure are freed."""
         table = self._keys
         if success:
+            if len(keys) == 1 and not self.enable_events:  # the common case
+                block = table.get(keys[0], 0)
+                if block < 0:
+                    table[keys[0]] = ~block
+                    self._num_storing -= 1
+                return
             get = table.get
-            stored = [k for k in keys if get(k, 0) < 0]
-            for key in stored:
-                table[key] = ~table[key]
-            self._num_storing -= len(stored)
-            if stored and self.enable_events:
-                self._events.append(CacheEvent("stored", tuple(stored)))
+            if self.enable_events:
+                stored = [k for k in keys if get(k, 0) < 0]
+                if stored:
+                    self._events.append(CacheEvent("stored", tuple(stored)))
+            done = 0
+            for key in keys:
+                block = get(key, 0)
+                if block < 0:
+                    table[key] = ~block
+                    done += 1
+            self._num_storing -= done
             return
         freed: list[int] = []
         for key in keys:
