@@ -245,51 +245,39 @@ def demo(session: nox.Session) -> None:
     )
 
 
+def _bench(session: nox.Session, dists: list[str], module: str, name: str) -> None:
+    """Install ``dists`` with vLLM's CPU build and run ``python -m module --json out/NAME.json``."""
+    install_packages(session, dists, with_vllm=True)
+    out = ROOT / "out"
+    out.mkdir(exist_ok=True)
+    session.run("python", "-m", module, "--json", str(out / f"{name}.json"), *session.posargs)
+
+
 @nox.session(name="bench-blockpool")
 def bench_blockpool(session: nox.Session) -> None:
     """kvtier's host block pool against vLLM's CPUOffloadingManager, same trace, one run."""
-    install_packages(session, ["kvtier-blockpool"], with_vllm=True)
-    out = ROOT / "out"
-    out.mkdir(exist_ok=True)
-    session.run(
-        "python",
-        "-m",
-        "kvtier.blockpool.bench",
-        "--json",
-        str(out / "bench-blockpool.json"),
-        *session.posargs,
-    )
+    _bench(session, ["kvtier-blockpool"], "kvtier.blockpool.bench", "bench-blockpool")
 
 
 @nox.session(name="bench-tiering")
 def bench_tiering(session: nox.Session) -> None:
     """kvtier's fs tier against plain O_DIRECT and vLLM's fs tier; the prefix workload."""
-    install_packages(session, ["kvtier-tiering-spec", "kvtier-testkit"], with_vllm=True)
-    out = ROOT / "out"
-    out.mkdir(exist_ok=True)
-    session.run(
-        "python",
-        "-m",
+    _bench(
+        session,
+        ["kvtier-tiering-spec", "kvtier-testkit"],
         "kvtier.tiering_spec.bench",
-        "--json",
-        str(out / "bench-tiering.json"),
-        *session.posargs,
+        "bench-tiering",
     )
 
 
 @nox.session(name="bench-recompute")
 def bench_recompute(session: nox.Session) -> None:
     """RecomputeCPUOffloadConnector on the forced-preemption workload, with and without."""
-    install_packages(session, ["kvtier-recompute-connector", "kvtier-testkit"], with_vllm=True)
-    out = ROOT / "out"
-    out.mkdir(exist_ok=True)
-    session.run(
-        "python",
-        "-m",
+    _bench(
+        session,
+        ["kvtier-recompute-connector", "kvtier-testkit"],
         "kvtier.recompute_connector.bench",
-        "--json",
-        str(out / "bench-recompute.json"),
-        *session.posargs,
+        "bench-recompute",
     )
 
 
