@@ -100,6 +100,25 @@ def _row(name: str, result: Any, reference: Any, decode_tokens: int, **extra: An
     )
 
 
+def _runner(
+    model: ModelSizes, workload: Any, engine: dict[str, Any], step: Progress, name: str
+) -> Callable[..., Any]:
+    """``run(label, device_blocks, kv_transfer=None)``: one engine run of ``workload``."""
+    from kvtier.testkit import kv_transfer_config, run_with
+
+    def run(label: str, device_blocks: int, kv_transfer: dict[str, Any] | None = None) -> Any:
+        step(f"{name}: {label}")
+        extra = (
+            {} if kv_transfer is None else {"kv_transfer_config": kv_transfer_config(kv_transfer)}
+        )
+        result, _ = run_with(
+            model.path, workload, **engine, num_gpu_blocks_override=device_blocks, **extra
+        )
+        return result
+
+    return run
+
+
 def _labelled(result: Any, name: str, label: str) -> dict[str, float]:
     from kvtier.testkit import labelled_metric_values
 
@@ -109,7 +128,7 @@ def _labelled(result: Any, name: str, label: str) -> dict[str, float]:
 def preemption_workload(model: ModelSizes, step: Progress) -> WorkloadReport:
     """Preemption-heavy decode: 16 requests in a KV cache of 16 blocks, with
     ``RecomputeCPUOffloadConnector`` keeping preempted requests' KV in host DRAM."""
-    from kvtier.testkit import kv_transfer_config, make_workload, run_with
+    from kvtier.testkit import make_workload
 
     requests, prompt, generated = 16, 40, 200
     engine = {**_base_engine(model, 256), "max_num_seqs": 16}
@@ -128,18 +147,10 @@ def preemption_workload(model: ModelSizes, step: Progress) -> WorkloadReport:
             "enable_offload_prefix_caching": False,
         },
     }
-    step("preemption: reference (room for all)")
-    reference, _ = run_with(model.path, workload, **engine, num_gpu_blocks_override=160)
-    step("preemption: vLLM alone (recompute)")
-    plain, _ = run_with(model.path, workload, **engine, num_gpu_blocks_override=16)
-    step("preemption: vLLM + kvtier RecomputeCPUOffloadConnector")
-    kv, _ = run_with(
-        model.path,
-        workload,
-        **engine,
-        num_gpu_blocks_override=16,
-        kv_transfer_config=kv_transfer_config(connector),
-    )
+    run = _runner(model, workload, engine, step, "preemption")
+    reference = run("reference (room for all)", 160)
+    plain = run("vLLM alone (recompute)", 16)
+    kv = run("vLLM + kvtier RecomputeCPUOffloadConnector", 16, connector)
     moved = sum(_labelled(kv, RECOMPUTE + "transfer_bytes", "direction").values())
     rows = [
         _row("reference (room for all)", reference, reference, decode),
@@ -183,8 +194,6 @@ def _prefix_prompts(model: ModelSizes, groups: int, prefix: int, suffix: int, ro
 def prefix_workload(model: ModelSizes, fs_root: Path, step: Progress) -> WorkloadReport:
     """Prefix-heavy prompts: 8 long prefixes asked twice, a device cache of 12 blocks
     that cannot keep them, then kvtier's host tier, then host + fs tiers."""
-    from kvtier.testkit import kv_transfer_config, run_with
-
     groups, prefix, suffix, rounds = 8, 128, 32, 2
     workload = _prefix_prompts(model, groups, prefix, suffix, rounds)
     engine = {**_base_engine(model, 256), "max_num_seqs": 2}
@@ -192,38 +201,27 @@ def prefix_workload(model: ModelSizes, fs_root: Path, step: Progress) -> Workloa
     decode = requests * (workload.max_tokens - 1)
     block = model.kv_bytes_per_block
 
-    def offload(spec: str, host_blocks: int, fs: bool) -> Any:
+    def offload(spec: str, host_blocks: int, fs: bool) -> dict[str, Any]:
         extra: dict[str, Any] = {"cpu_bytes_to_use": host_blocks * block, "spec_name": spec}
         if fs:
             extra["secondary_tiers"] = [{"type": "fs", "root_dir": str(fs_root)}]
-        return kv_transfer_config(
-            {
-                "kv_connector": "OffloadingConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": extra,
-            }
-        )
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
 
     shutil.rmtree(fs_root, ignore_errors=True)
-    step("prefix: reference (room for all)")
-    reference, _ = run_with(model.path, workload, **engine, num_gpu_blocks_override=200)
-    step("prefix: vLLM alone (device prefix cache only)")
-    plain, _ = run_with(model.path, workload, **engine, num_gpu_blocks_override=12)
-    step("prefix: vLLM + kvtier CPUOffloadingSpec (host tier)")
-    host, _ = run_with(
-        model.path,
-        workload,
-        **engine,
-        num_gpu_blocks_override=12,
-        kv_transfer_config=offload("CPUOffloadingSpec", 64, fs=False),
+    run = _runner(model, workload, engine, step, "prefix")
+    reference = run("reference (room for all)", 200)
+    plain = run("vLLM alone (device prefix cache only)", 12)
+    host = run(
+        "vLLM + kvtier CPUOffloadingSpec (host tier)", 12, offload("CPUOffloadingSpec", 64, False)
     )
-    step("prefix: vLLM + kvtier TieringOffloadingSpec (small host tier + fs tier)")
-    tiered, _ = run_with(
-        model.path,
-        workload,
-        **engine,
-        num_gpu_blocks_override=12,
-        kv_transfer_config=offload("TieringOffloadingSpec", 12, fs=True),
+    tiered = run(
+        "vLLM + kvtier TieringOffloadingSpec (small host tier + fs tier)",
+        12,
+        offload("TieringOffloadingSpec", 12, True),
     )
 
     def hits(result: Any) -> dict[str, float]:
