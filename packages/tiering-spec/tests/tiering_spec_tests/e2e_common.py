@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-# Device cache of 12 blocks of 32 tokens: too small to keep 8 prefixes of 4 blocks.
-ENGINE: dict[str, Any] = {
-    "block_size": 32,
-    "enforce_eager": True,
-    "dtype": "float32",
-    "disable_log_stats": False,
-    "max_model_len": 256,
-    "max_num_seqs": 2,
-    "num_gpu_blocks_override": 12,
-    # On vLLM's CPU platform this is the share of host memory for the KV cache.
-    "gpu_memory_utilization": 0.15,
-}
-ROOMY = {**ENGINE, "num_gpu_blocks_override": 200}
+from kvtier.testkit import PREFIX_ENGINE, PREFIX_REFERENCE_ENGINE, PREFIX_WORKLOAD
+
+# The testkit's prefix-reuse settings: a device cache of 12 blocks of 32 tokens, too
+# small to keep 8 prefixes of 4 blocks; ROOMY has room for everything.
+ENGINE: dict[str, Any] = PREFIX_ENGINE
+ROOMY: dict[str, Any] = PREFIX_REFERENCE_ENGINE
 CHUNK_BYTES = 65536  # one 32-token block of the tiny model: 2 layers x K,V x 2 heads x 64 x 4 B
 
 
-def prefix_prompts(
-    groups: int = 8, prefix: int = 128, suffix: int = 32, rounds: int = 2, seed: int = 1
-):
-    """``rounds`` passes over ``groups`` long prefixes, each prompt with its own suffix."""
-    rng = random.Random(seed)
-    allowed = list(range(3, 512))
-    heads = [[rng.choice(allowed) for _ in range(prefix)] for _ in range(groups)]
-    return tuple(
-        tuple(heads[g] + [rng.choice(allowed) for _ in range(suffix)])
-        for _ in range(rounds)
-        for g in range(groups)
-    )
+def prefix_prompts() -> tuple[tuple[int, ...], ...]:
+    """The testkit's prefix workload: 8 prefixes of 128 tokens asked twice, own suffixes."""
+    return PREFIX_WORKLOAD.prompts
 
 
 def offload_config(spec_name: str, *, host_chunks: int, root_dir: str | None = None, **tier: Any):

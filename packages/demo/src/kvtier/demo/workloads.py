@@ -175,28 +175,16 @@ def preemption_workload(model: ModelSizes, step: Progress) -> WorkloadReport:
     )
 
 
-def _prefix_prompts(model: ModelSizes, groups: int, prefix: int, suffix: int, rounds: int) -> Any:
-    import random
-
-    from kvtier.testkit import Workload
-
-    rng = random.Random(1)
-    allowed = [t for t in range(model.vocab) if t not in set(model.special_ids)]
-    heads = [[rng.choice(allowed) for _ in range(prefix)] for _ in range(groups)]
-    prompts = tuple(
-        tuple(heads[g] + [rng.choice(allowed) for _ in range(suffix)])
-        for _ in range(rounds)
-        for g in range(groups)
-    )
-    return Workload(prompts, 8)
-
-
 def prefix_workload(model: ModelSizes, fs_root: Path, step: Progress) -> WorkloadReport:
     """Prefix-heavy prompts: 8 long prefixes asked twice, a device cache of 12 blocks
     that cannot keep them, then kvtier's host tier, then host + fs tiers."""
+    from kvtier.testkit import PREFIX_ENGINE, make_prefix_workload
+
     groups, prefix, suffix, rounds = 8, 128, 32, 2
-    workload = _prefix_prompts(model, groups, prefix, suffix, rounds)
-    engine = {**_base_engine(model, 256), "max_num_seqs": 2}
+    workload = make_prefix_workload(
+        groups, prefix, suffix, rounds, vocab=model.vocab, exclude=model.special_ids
+    )
+    engine = {**_base_engine(model, 256), "max_num_seqs": PREFIX_ENGINE["max_num_seqs"]}
     requests = len(workload)
     decode = requests * (workload.max_tokens - 1)
     block = model.kv_bytes_per_block

@@ -89,6 +89,46 @@ def make_workload(
 FORCED_PREEMPTION_WORKLOAD = make_workload()
 SLIDING_WINDOW_WORKLOAD = make_workload(8, 40, 120)
 
+# Prefix reuse: a device cache of 12 blocks of 32 tokens cannot keep the 8 prefixes of
+# 4 blocks of PREFIX_WORKLOAD, and two requests run at a time, so a prefix is gone from
+# the device by the time it is asked again.
+PREFIX_ENGINE: dict[str, Any] = {
+    **FORCED_PREEMPTION_ENGINE,
+    "max_num_seqs": 2,
+    "num_gpu_blocks_override": 12,
+    "gpu_memory_utilization": 0.15,
+}
+PREFIX_REFERENCE_ENGINE: dict[str, Any] = {**PREFIX_ENGINE, "num_gpu_blocks_override": 200}
+
+
+def make_prefix_workload(
+    groups: int = 8,
+    prefix_tokens: int = 128,
+    suffix_tokens: int = 32,
+    rounds: int = 2,
+    *,
+    max_tokens: int = 8,
+    vocab: int = 512,
+    exclude: Sequence[int] = (0, 1, 2),
+    seed: int = 1,
+) -> Workload:
+    """``rounds`` passes over ``groups`` random prefixes of ``prefix_tokens`` tokens, each
+    prompt with its own ``suffix_tokens``-token suffix; ids from ``[0, vocab)`` minus
+    ``exclude``."""
+    rng = random.Random(seed)
+    skip = set(exclude)
+    allowed = [t for t in range(vocab) if t not in skip]
+    heads = [[rng.choice(allowed) for _ in range(prefix_tokens)] for _ in range(groups)]
+    prompts = tuple(
+        tuple(heads[g] + [rng.choice(allowed) for _ in range(suffix_tokens)])
+        for _ in range(rounds)
+        for g in range(groups)
+    )
+    return Workload(prompts, max_tokens)
+
+
+PREFIX_WORKLOAD = make_prefix_workload()
+
 
 def in_process_engines() -> None:
     """Make vLLM engines of this process run in-process (call before creating one)."""

@@ -287,17 +287,6 @@ def print_fs(result: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------- (b) workload
 
 
-def prefix_prompts(groups: int, prefix: int, suffix: int, rounds: int) -> tuple:
-    rng = random.Random(1)
-    allowed = list(range(3, 512))
-    heads = [[rng.choice(allowed) for _ in range(prefix)] for _ in range(groups)]
-    return tuple(
-        tuple(heads[g] + [rng.choice(allowed) for _ in range(suffix)])
-        for _ in range(rounds)
-        for g in range(groups)
-    )
-
-
 def workload_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
@@ -306,17 +295,8 @@ def workload_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
         print("(b) skipped: kvtier-testkit is not installed", file=sys.stderr)
         return []
     model = tk.make_tiny_llama()
-    workload = tk.Workload(prefix_prompts(8, 128, 32, 2), 8)
-    engine: dict[str, Any] = {
-        "block_size": 32,
-        "enforce_eager": True,
-        "dtype": "float32",
-        "disable_log_stats": False,
-        "max_model_len": 256,
-        "max_num_seqs": 2,
-        "num_gpu_blocks_override": 12,
-        "gpu_memory_utilization": 0.15,
-    }
+    workload = tk.PREFIX_WORKLOAD
+    engine: dict[str, Any] = dict(tk.PREFIX_ENGINE)
     chunk = 65536
     root = tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=args.dir)
 
