@@ -127,10 +127,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    program = argv is None  # run as a program, not called from Python (tests)
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    if program:
+        # Before vLLM is imported: its own log lines would bury the tables. Only when run
+        # as a program, so a caller's process environment is left as it was.
+        logging.basicConfig(level=logging.WARNING)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         model = demo_model(args.model)
     except ModelError as exc:
