@@ -575,16 +575,27 @@ class FileSystemTier:
             )
         )
 
+    def _direct_or_buffered(
+        self,
+        op: Callable[[str, bytes, bytes, memoryview, bool], None],
+        path: str,
+        fingerprint: bytes,
+        digest: bytes,
+        payload: memoryview,
+    ) -> None:
+        """``op`` with O_DIRECT when the tier uses it; retried buffered if O_DIRECT
+        refuses the buffer (EINVAL: not aligned)."""
+        try:
+            op(path, fingerprint, digest, payload, self.direct)
+        except OSError as exc:
+            if not (self.direct and exc.errno == errno.EINVAL):
+                raise
+            op(path, fingerprint, digest, payload, False)
+
     def _write_file(
         self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview
     ) -> None:
-        try:
-            self._write_file_as(path, fingerprint, digest, payload, self.direct)
-        except OSError as exc:
-            # O_DIRECT refuses a buffer that is not aligned: write it buffered instead.
-            if not (self.direct and exc.errno == errno.EINVAL):
-                raise
-            self._write_file_as(path, fingerprint, digest, payload, False)
+        self._direct_or_buffered(self._write_file_as, path, fingerprint, digest, payload)
 
     def _write_file_as(
         self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview, direct: bool
@@ -649,12 +660,7 @@ class FileSystemTier:
         )
 
     def _read_file(self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview) -> None:
-        try:
-            self._read_file_as(path, fingerprint, digest, payload, self.direct)
-        except OSError as exc:
-            if not (self.direct and exc.errno == errno.EINVAL):
-                raise
-            self._read_file_as(path, fingerprint, digest, payload, False)
+        self._direct_or_buffered(self._read_file_as, path, fingerprint, digest, payload)
 
     def _read_file_as(
         self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview, direct: bool
