@@ -127,8 +127,8 @@ def test_corrupted_restores_are_caught(tiny_model: Path, reference: WorkloadResu
 
 
 def test_failed_restores_are_recomputed(tiny_model: Path, reference: WorkloadResult) -> None:
+    # No kv_load_failure_policy: standalone, the connector makes vLLM recompute.
     config = standalone(kvtier_test_fail_loads=True)
-    config["kv_load_failure_policy"] = "recompute"
     run = run_connector(tiny_model, FORCED_PREEMPTION_WORKLOAD, config)
     assert_identical(reference, run)
     assert run.fallbacks().get("load_failed", 0) > 0

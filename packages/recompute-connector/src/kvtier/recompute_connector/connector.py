@@ -27,8 +27,9 @@ The scheduler/worker protocol, and why it is correct under vLLM's step order:
   load job. vLLM flags the step ``has_sync_kv_loads``, so the worker's ``start_load_kv``
   runs before the forward, and the compute stream waits for the load.
 * A failed load is reported from ``get_block_ids_with_load_errors`` in the same step;
-  vLLM then recomputes from the first failed block (with ``kv_load_failure_policy``
-  ``"recompute"``; vLLM's default ``"fail"`` fails the request instead). The host blocks
+  vLLM then recomputes from the first failed block (``kv_load_failure_policy``
+  ``"recompute"``, which the standalone connector sets; inside ``MultiConnector`` it is
+  the user's choice, and vLLM's default ``"fail"`` fails the request). The host blocks
   are freed once every rank reported the load, or at once when R finishes or is
   aborted while restorable.
 """
@@ -267,6 +268,31 @@ def _rank() -> int:
 # ---------------------------------------------------------------------- the connector
 
 
+def _recompute_failed_restores(vllm_config: Any) -> None:
+    """Standalone, a failed restore must fall back to recompute, never fail the request.
+
+    vLLM's scheduler reads ``kv_load_failure_policy`` right after it builds the
+    connector, so the connector may still set it. Inside ``MultiConnector`` the policy
+    also governs the other connectors' loads: it is the user's to choose there.
+    """
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is None or getattr(ktc, "kv_load_failure_policy", None) == "recompute":
+        return
+    if getattr(ktc, "kv_connector", None) == CONNECTOR_NAME:
+        ktc.kv_load_failure_policy = "recompute"
+        logger.info(
+            "kvtier: kv_load_failure_policy set to 'recompute': a failed restore is "
+            "recomputed like any preempted request"
+        )
+    else:
+        logger.warning(
+            "kvtier: kv_load_failure_policy is %r: a failed restore will fail its request; "
+            'set "kv_load_failure_policy": "recompute" on the top-level '
+            "kv-transfer-config to recompute it instead",
+            ktc.kv_load_failure_policy,
+        )
+
+
 class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Keeps preempted requests' KV in host DRAM and restores it when they resume.
 
@@ -316,10 +342,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     "kvtier: this model has KV cache groups that are not paged attention; "
                     "preempted requests will be recomputed as usual"
                 )
-            logger.info(
-                "kvtier: a failed restore follows the top-level kv_load_failure_policy: "
-                "'recompute' recomputes the request, vLLM's default 'fail' fails it"
-            )
+            _recompute_failed_restores(vllm_config)
         else:
             self.worker = RecomputeOffloadWorker(
                 self.config, bytes_per_block=self.block_bytes, rank=_rank(), log=logger
