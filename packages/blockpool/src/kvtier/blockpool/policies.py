@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 Key = Hashable
@@ -88,6 +88,16 @@ class LRUPolicy:
         return list(self._order)
 
 
+class _Lane:
+    """One ARC list's eviction scan over a plain dict (see ``ARCPolicy``)."""
+
+    __slots__ = ("pos", "snap")
+
+    def __init__(self) -> None:
+        self.snap: list[Key] = []  # the dict's keys, oldest first, when last copied
+        self.pos = 0  # snap[:pos] are all gone or stamped again since the copy
+
+
 class ARCPolicy:
     """Adaptive Replacement Cache (Megiddo and Modha, 2003), adapted to pinning.
 
@@ -98,6 +108,18 @@ class ARCPolicy:
     least recently used evictable key of ``T1`` when ``|T1| > p`` (or ``T2`` has none),
     else of ``T2``; if the chosen list has no evictable key, the other list is used.
     Ghost lists are bounded so that ``|T1|+|B1| <= c`` and the total is ``<= 2c``.
+
+    ``T1`` and ``T2`` are plain dicts in recency order (oldest first): a hit is a
+    delete and an insert, with no linked-list nodes to allocate or unlink, which
+    is what makes a touch cheap. A plain dict cannot be scanned from its oldest
+    end cheaply after many deletions, so eviction scans a copy of its keys
+    (``_Lane.snap``) and remembers how far the copy is used up. Each value is
+    the *stamp* of the copy that was current when the key was (re)inserted; a
+    copied key is still at its copied position exactly when its stamp is older
+    than the copy, so keys touched or re-inserted since are skipped there and
+    met again in a later copy. Each key is passed over once per copy it is in, so
+    eviction is amortised O(1) per key, pinned keys aside (they are rescanned,
+    as in any LRU walk).
     """
 
     name = "arc"
@@ -105,46 +127,82 @@ class ARCPolicy:
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self.p = 0.0
-        self.t1: OrderedDict[Key, None] = OrderedDict()
-        self.t2: OrderedDict[Key, None] = OrderedDict()
+        self.t1: dict[Key, int] = {}
+        self.t2: dict[Key, int] = {}
         self.b1: OrderedDict[Key, None] = OrderedDict()
         self.b2: OrderedDict[Key, None] = OrderedDict()
+        self._stamp1 = self._stamp2 = 0  # stamps of keys (re)inserted from now on
+        self._lane1, self._lane2 = _Lane(), _Lane()
 
     def insert(self, keys: Sequence[Key]) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        s1, s2 = self._stamp1, self._stamp2
+        if not (b1 or b2):  # no ghosts: every key is new to T1
+            for key in keys:
+                t1[key] = s1
+            return
         for key in keys:
             if b1 and key in b1:
                 self.p = min(float(self.capacity), self.p + max(1.0, len(b2) / len(b1)))
                 del b1[key]
-                t2[key] = None
+                t2[key] = s2
             elif b2 and key in b2:
                 self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
                 del b2[key]
-                t2[key] = None
+                t2[key] = s2
             else:
-                t1[key] = None
-        if b1 or b2:
-            self._trim_ghosts()
+                t1[key] = s1
+        self._trim_ghosts()
 
     def touch(self, keys: Sequence[Key]) -> None:
-        t1, t2 = self.t1, self.t2
+        t1, t2, s2 = self.t1, self.t2, self._stamp2
+        # dict.pop with a default is one probe, where "in" then "del" are two.
         if len(keys) == 1:  # the common case, without the iterator
             key = keys[0]
-            if t1.pop(key, t1) is None:  # values are None; t1 itself marks "absent"
-                t2[key] = None
-            elif key in t2:
-                t2.move_to_end(key)
+            if t1.pop(key, None) is None and t2.pop(key, None) is None:
+                return  # not cached
+            t2[key] = s2
             return
+        pop1, pop2 = t1.pop, t2.pop
         for key in reversed(keys):
-            if t1.pop(key, t1) is None:
-                t2[key] = None
-            elif key in t2:
-                t2.move_to_end(key)
+            if pop1(key, None) is None and pop2(key, None) is None:
+                continue
+            t2[key] = s2
 
     def remove(self, key: Key) -> None:
-        if self.t1.pop(key, 0) is None:
-            return
-        del self.t2[key]
+        if self.t1.pop(key, None) is None:
+            del self.t2[key]
+
+    def _scan(self, which: int, evictable: Callable[[Key], bool]) -> Iterator[Key]:
+        """The evictable keys of T1 (``which`` 1) or T2 (2), oldest first, lazily."""
+        table = self.t1 if which == 1 else self.t2
+        lane = self._lane1 if which == 1 else self._lane2
+        get = table.get
+        given: set[Key] | None = None  # keys yielded from an earlier copy
+        while True:
+            snap = lane.snap
+            stamp = self._stamp1 if which == 1 else self._stamp2
+            valid = 0
+            for i in range(lane.pos, len(snap)):
+                key = snap[i]
+                if get(key, stamp) < stamp:  # present, and not re-stamped since the copy
+                    valid += 1
+                    if (given is None or key not in given) and evictable(key):
+                        yield key
+                elif valid == 0:
+                    lane.pos = i + 1
+            if len(table) == valid:  # every key was in this copy: done
+                return
+            # Keys (re)inserted since the copy follow it: copy again, under a new
+            # stamp, and skip what was already given from the old copy.
+            old = {k for k in snap[lane.pos :] if get(k, stamp) < stamp}
+            given = old if given is None else given | old
+            lane.snap = list(table)
+            lane.pos = 0
+            if which == 1:
+                self._stamp1 += 1
+            else:
+                self._stamp2 += 1
 
     def evict(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         victims: list[Key] = []
@@ -152,8 +210,8 @@ class ARCPolicy:
             return victims
         # Walk both lists lazily; decide each victim by the ARC rule on the sizes
         # the lists would have after the victims chosen so far.
-        it1 = (k for k in self.t1 if evictable(k))
-        it2 = (k for k in self.t2 if evictable(k))
+        it1 = self._scan(1, evictable)
+        it2 = self._scan(2, evictable)
         head1 = next(it1, None)
         head2 = next(it2, None)
         from1: list[Key] = []

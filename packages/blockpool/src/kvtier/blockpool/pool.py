@@ -272,9 +272,13 @@ class HostBlockPool:
         table = self._keys
         if success:
             if len(keys) == 1 and not self.enable_events:  # the common case
-                block = table.get(keys[0], 0)
+                key = keys[0]
+                try:
+                    block = table[key]  # a subscript is cheaper than a .get() call
+                except KeyError:
+                    return
                 if block < 0:
-                    table[keys[0]] = ~block
+                    table[key] = ~block
                     self._num_storing -= 1
                 return
             get = table.get
