@@ -18,6 +18,7 @@ ENGINES = {
     "cpu-async": {"backend": "cpu"},
     "cpu-sync": {"backend": "cpu", "asynchronous": False},
     "cpu-1thread": {"backend": "cpu", "cpu_threads": 1},
+    "cpu-portable": {"backend": "cpu", "cpu_native": False},  # memmove per piece
     "stream-path-on-cpu": {"backend": "stream"},
 }
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvtier.npu_copy import native
 from kvtier.npu_copy.handle import TransferHandle
 from kvtier.npu_copy.layout import KVLayout
 from kvtier.npu_copy.plan import coalesce, consecutive_runs
@@ -86,6 +87,16 @@ PARALLEL_MIN_PIECE_BYTES = 32 * 1024
 smaller ones are copied on one thread, where per-call overhead dominates."""
 PARALLEL_MIN_BYTES = 2 * 1024 * 1024
 """Transfers smaller than this stay on one thread."""
+STREAM_MIN_BYTES = 4 * 1024 * 1024
+"""Transfers at least this large are written with non-temporal stores (native path):
+they would not stay in cache anyway, and streaming skips reading each destination line
+first. Measured here at 64 KiB pieces: 0.57x of a contiguous copy with memmove per
+piece from Python, 1.0x with one native call per thread (cached stores), 1.0-1.4x
+streamed; at 512 KiB 1.1x cached, 1.4x streamed."""
+
+
+def _c_array(ctype: Any, values: Sequence[int]) -> Any:
+    return (ctype * len(values))(*values)
 
 
 class CPUBackend:
@@ -105,6 +116,7 @@ class CPUBackend:
         *,
         threads: int | None = None,
         asynchronous: bool = True,
+        native_copy: bool = True,
     ) -> None:
         self.layout = layout
         self.host_blocks = host_blocks
@@ -120,6 +132,18 @@ class CPUBackend:
         self._seg_views = [
             (_span_view(s.rows), s.rows.stride(0), s.host_offset, s.block_bytes) for s in segs
         ]
+        # One native call per copy thread moves all pieces of a transfer (no GIL per piece).
+        self._native: Any = native.load() if native_copy else None
+        n = len(segs)
+        self._nat_host = (
+            _c_array(ctypes.c_uint64, [self._host_base + s.host_offset for s in segs]),
+            _c_array(ctypes.c_int64, [self._host_stride] * n),
+        )
+        self._nat_dev = (
+            _c_array(ctypes.c_uint64, [s.rows.data_ptr() for s in segs]),
+            _c_array(ctypes.c_int64, [s.rows.stride(0) for s in segs]),
+        )
+        self._nat_sizes = _c_array(ctypes.c_uint64, self._seg_sizes)
         self._pool: ThreadPoolExecutor | None = None
         self._queues: dict[str, queue.SimpleQueue[Any]] = {}
         self._workers: list[threading.Thread] = []
@@ -222,10 +246,39 @@ class CPUBackend:
                     single_host.append(run.dst + i)
         if not single_dev:
             return
+        if self._native is not None:
+            self._copy_native(single_dev, single_host, to_host=to_host)
+            return
         if sum(self._seg_sizes) // len(self._seg_sizes) < PARALLEL_MIN_PIECE_BYTES:
             self._copy_small(single_dev, single_host, to_host=to_host)
         else:
             self._copy_large(single_dev, single_host, to_host=to_host)
+
+    def _copy_native(self, device_ids: list[int], host_ids: list[int], *, to_host: bool) -> None:
+        """All (block, segment) pieces in one native call per copy thread, GIL released."""
+        nb = len(device_ids)
+        n = nb * len(self._seg_sizes)
+        dev = (*self._nat_dev, _c_array(ctypes.c_int64, device_ids))
+        host = (*self._nat_host, _c_array(ctypes.c_int64, host_ids))
+        dst, src = (host, dev) if to_host else (dev, host)
+        total = sum(self._seg_sizes) * nb
+        stream = int(total >= STREAM_MIN_BYTES)
+        fn: Callable[..., None] = self._native
+        sizes = self._nat_sizes
+        threads = 1 if total < PARALLEL_MIN_BYTES else min(self.threads, n)
+        if threads == 1:
+            fn(*dst, *src, sizes, nb, 0, n, stream)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvtier-copy")
+        step = -(-n // threads)
+        futures = [
+            self._pool.submit(fn, *dst, *src, sizes, nb, i, min(i + step, n), stream)
+            for i in range(step, n, step)
+        ]
+        fn(*dst, *src, sizes, nb, 0, step, stream)
+        for f in futures:
+            f.result()
 
     def _copy_small(self, device_ids: list[int], host_ids: list[int], *, to_host: bool) -> None:
         """One memoryview slice assignment per (block, segment), on this thread."""

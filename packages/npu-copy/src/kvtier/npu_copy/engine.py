@@ -33,8 +33,10 @@ class TransferEngine:
     ``backend`` is chosen from the KV tensors' device: ``"cpu"`` for host tensors (vLLM's
     CPU platform), ``"stream"`` for an accelerator. ``"stream"`` on CPU tensors runs the
     accelerator data path with immediate streams (for tests). ``cpu_threads`` (default
-    ``torch.get_num_threads()``) and ``asynchronous`` (worker threads, default True) tune
-    the CPU backend; ``batch_memcpy`` plugs a platform batched copy into the stream backend.
+    ``torch.get_num_threads()``), ``asynchronous`` (worker threads, default True) and
+    ``cpu_native`` (the compiled piece copier of :mod:`kvtier.npu_copy.native` when it
+    builds, default True) tune the CPU backend; ``batch_memcpy`` plugs a platform batched
+    copy into the stream backend.
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class TransferEngine:
         num_blocks: int | None = None,
         backend: str | None = None,
         cpu_threads: int | None = None,
+        cpu_native: bool = True,
         asynchronous: bool = True,
         batch_memcpy: BatchMemcpy | None = None,
         require_pinned: bool = True,
@@ -77,7 +80,11 @@ class TransferEngine:
         self._backend: Backend
         if backend == "cpu":
             self._backend = CPUBackend(
-                layout, host_blocks, threads=cpu_threads, asynchronous=asynchronous
+                layout,
+                host_blocks,
+                threads=cpu_threads,
+                asynchronous=asynchronous,
+                native_copy=cpu_native,
             )
         else:
             ops = ImmediateStreamOps() if device.type == "cpu" else None
