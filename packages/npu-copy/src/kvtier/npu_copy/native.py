@@ -55,7 +55,7 @@ def _compiler() -> str | None:
 
 def _build(cc: str, out: Path) -> None:
     """Compile ``SOURCE`` to ``out`` (atomically: a temporary name, then rename)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a library we will load
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
