@@ -104,3 +104,13 @@ def test_scattered_copies_are_byte_exact(
     with TransferEngine(kv, host, cpu_threads=2, cpu_native=use_native) as eng:
         assert (eng._backend._native is not None) == use_native  # type: ignore[attr-defined]
         _check_round_trip(eng, kv, host, src, dst)
+
+
+@needs_cc
+def test_a_damaged_cached_library_is_built_again(fresh_native, tmp_path) -> None:
+    assert native.load() is not None
+    (built,) = (tmp_path / "cache" / "native").glob("copy_pieces-*.so")
+    built.write_bytes(b"not a shared library")
+    native.reset_for_tests()
+    assert native.load() is not None
+    assert built.read_bytes()[:4] == b"\x7fELF"

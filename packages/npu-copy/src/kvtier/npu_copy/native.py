@@ -104,9 +104,14 @@ def load() -> Any:
                 SOURCE.read_bytes() + cc.encode() + platform.machine().encode()
             ).hexdigest()[:16]
             path = cache_dir() / f"copy_pieces-{tag}.so"
-            if not path.exists():
+            if path.exists():
+                try:
+                    _loaded = _open(path)
+                except (OSError, AttributeError, RuntimeError):  # damaged: build it again
+                    path.unlink()
+            if _loaded is None:
                 _build(cc, path)
-            _loaded = _open(path)
+                _loaded = _open(path)
             log.debug("kvtier native copy loaded from %s", path)
         except Exception as exc:  # any failure keeps the portable path
             log.warning("kvtier native copy unavailable (%s); using memmove per piece", exc)
