@@ -53,6 +53,12 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
+def library_path(cc: str) -> Path:
+    """Where the library built from ``SOURCE`` by ``cc`` on this machine is cached."""
+    tag = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + platform.machine().encode())
+    return cache_dir() / f"copy_pieces-{tag.hexdigest()[:16]}.so"
+
+
 def _build(cc: str, out: Path) -> None:
     """Compile ``SOURCE`` to ``out`` (atomically: a temporary name, then rename)."""
     out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a library we will load
@@ -100,10 +106,7 @@ def load() -> Any:
             log.info("kvtier native copy: no C compiler (set CC); using memmove per piece")
             return None
         try:
-            tag = hashlib.sha256(
-                SOURCE.read_bytes() + cc.encode() + platform.machine().encode()
-            ).hexdigest()[:16]
-            path = cache_dir() / f"copy_pieces-{tag}.so"
+            path = library_path(cc)
             if path.exists():
                 try:
                     _loaded = _open(path)
