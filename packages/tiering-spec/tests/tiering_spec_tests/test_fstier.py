@@ -171,6 +171,16 @@ def replace_by_directory(path: str) -> None:
     os.mkdir(path)
 
 
+def append_a_page(path: str) -> None:
+    with open(path, "ab") as f:
+        f.write(b"\0" * 4096)
+
+
+def replace_by_fifo(path: str) -> None:
+    os.unlink(path)
+    os.mkfifo(path, 0o600)  # opening it for reading must not wait for a writer
+
+
 @pytest.mark.parametrize(
     ("damage", "kind"),
     [
@@ -179,6 +189,8 @@ def replace_by_directory(path: str) -> None:
         (truncate, "truncated"),
         (os.unlink, "vanished"),
         (replace_by_directory, "unreadable"),
+        (append_a_page, "corrupt"),
+        (replace_by_fifo, "unreadable"),
     ],
 )
 def test_a_bad_file_is_a_counted_miss_and_never_loaded(make_tier, caplog, damage, kind) -> None:

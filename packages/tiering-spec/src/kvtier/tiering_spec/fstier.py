@@ -29,7 +29,6 @@ import logging
 import mmap
 import os
 import queue
-import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -529,6 +528,13 @@ class FileSystemTier:
             self._local.hdr = buf
         return buf
 
+    def _tail_buffer(self) -> mmap.mmap:
+        buf = getattr(self._local, "tail", None)
+        if buf is None:
+            buf = mmap.mmap(-1, 4096)  # one page, aligned for O_DIRECT
+            self._local.tail = buf
+        return buf
+
     def _payload(self, views: Sequence[memoryview], rank: int, block_id: int) -> memoryview:
         start = block_id * self.payload_bytes
         return views[rank][start : start + self.payload_bytes]
@@ -666,24 +672,22 @@ class FileSystemTier:
         self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview, direct: bool
     ) -> None:
         hdr = self._header_buffer()
-        fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+        tail = self._tail_buffer()  # a file longer than a block file reads into this
+        # O_NONBLOCK: a FIFO planted under that name fails the read instead of hanging.
+        flags = os.O_RDONLY | os.O_NONBLOCK | (O_DIRECT if direct else 0)
+        fd = os.open(path, flags)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise OSError(errno.EISDIR, "not a regular file")
-            size = st.st_size
-            if size < self.file_bytes:
-                raise fsformat.FormatError("truncated", f"{size} bytes, expected {self.file_bytes}")
-            if size > self.file_bytes:
-                raise fsformat.FormatError("corrupt", f"{size} bytes, expected {self.file_bytes}")
-            got = _preadv(fd, [hdr, payload], 0)
-            while got < self.file_bytes:
+            want = self.file_bytes
+            got = _preadv(fd, [hdr, payload, tail], 0)
+            while got < want:
                 if got < fsformat.HEADER_SIZE:
                     raise fsformat.FormatError("truncated", "short header read")
-                n = _preadv(fd, [payload[got - fsformat.HEADER_SIZE :]], got)
+                n = _preadv(fd, [payload[got - fsformat.HEADER_SIZE :], tail], got)
                 if n <= 0:
-                    raise fsformat.FormatError("truncated", f"{got} of {self.file_bytes} bytes")
+                    raise fsformat.FormatError("truncated", f"{got} of {want} bytes")
                 got += n
+            if got > want:
+                raise fsformat.FormatError("corrupt", f"longer than {want} bytes")
         finally:
             os.close(fd)
         crc = fsformat.decode_header(
