@@ -79,6 +79,30 @@ def test_arc_ghost_lists_are_bounded() -> None:
     assert len(arc.t1) + len(arc.t2) + len(arc.b1) + len(arc.b2) <= 8
 
 
+def test_arc_scan_does_not_pile_up_behind_a_key_that_may_not_go() -> None:
+    """A pinned key at the old end must not make every eviction walk all the keys
+    evicted behind it since the last copy (that is quadratic over a run)."""
+
+    class CountingDict(dict):
+        lookups = 0
+
+        def get(self, key, default=None):  # type: ignore[override]
+            CountingDict.lookups += 1
+            return super().get(key, default)
+
+    n = 2000
+    arc = ARCPolicy(n)
+    arc.t1 = CountingDict()
+    arc.insert(list(range(n)))
+    pinned = 0
+    for i in range(n, 3 * n):
+        assert arc.evict(1, lambda k: k != pinned) == [i - n + 1]
+        arc.insert([i])
+    assert arc.keys_in_eviction_order()[0] == pinned
+    # Linear: a few lookups per eviction (a walk behind the pin each time: ~n*n/2).
+    assert CountingDict.lookups < 20 * 2 * n
+
+
 def test_arc_in_pool_keeps_reused_prefix_over_a_scan() -> None:
     pool = HostBlockPool(4, eviction_policy="arc")
     hot = [b"h0", b"h1"]

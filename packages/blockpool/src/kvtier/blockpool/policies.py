@@ -88,6 +88,10 @@ class LRUPolicy:
         return list(self._order)
 
 
+DEAD_ENTRIES_TO_COMPACT = 32
+"""Gone entries one eviction walk may pass behind a live key before it compacts them."""
+
+
 class _Lane:
     """One ARC list's eviction scan over a plain dict (see ``ARCPolicy``)."""
 
@@ -117,9 +121,10 @@ class ARCPolicy:
     the *stamp* of the copy that was current when the key was (re)inserted; a
     copied key is still at its copied position exactly when its stamp is older
     than the copy, so keys touched or re-inserted since are skipped there and
-    met again in a later copy. Each key is passed over once per copy it is in, so
-    eviction is amortised O(1) per key, pinned keys aside (they are rescanned,
-    as in any LRU walk).
+    met again in a later copy. Each key is passed over once per copy it is in, and
+    a walk that passes many gone entries behind a key that may not be evicted yet
+    moves the live ones forward over them, so eviction is amortised O(1) per key,
+    pinned keys aside (they are rescanned, as in any LRU walk).
     """
 
     name = "arc"
@@ -182,15 +187,28 @@ class ARCPolicy:
         while True:
             snap = lane.snap
             stamp = self._stamp1 if which == 1 else self._stamp2
-            valid = 0
-            for i in range(lane.pos, len(snap)):
-                key = snap[i]
-                if get(key, stamp) < stamp:  # present, and not re-stamped since the copy
-                    valid += 1
-                    if (given is None or key not in given) and evictable(key):
-                        yield key
-                elif valid == 0:
-                    lane.pos = i + 1
+            valid = dead = 0
+            i = lane.pos - 1
+            try:
+                for i in range(lane.pos, len(snap)):
+                    key = snap[i]
+                    if get(key, stamp) < stamp:  # present, not re-stamped since the copy
+                        valid += 1
+                        if (given is None or key not in given) and evictable(key):
+                            yield key
+                    elif valid == 0:
+                        lane.pos = i + 1
+                    else:
+                        dead += 1
+            finally:  # also when the caller stops early
+                if dead >= DEAD_ENTRIES_TO_COMPACT:
+                    # A key that may not go yet (pinned, storing) holds the front: move
+                    # the live keys of the walked stretch to its end, in order, so the
+                    # next walk does not pass the gone ones again. Costs what the walk did.
+                    stop = i + 1
+                    keep = [k for k in snap[lane.pos : stop] if get(k, stamp) < stamp]
+                    snap[stop - len(keep) : stop] = keep
+                    lane.pos = stop - len(keep)
             if len(table) == valid:  # every key was in this copy: done
                 return
             # Keys (re)inserted since the copy follow it: copy again, under a new
