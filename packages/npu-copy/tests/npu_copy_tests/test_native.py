@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -118,3 +119,30 @@ def test_a_damaged_cached_library_is_built_again(fresh_native) -> None:
     path.write_bytes(b"not a shared library")
     assert native.load() is not None
     assert path.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_cc
+def test_a_stale_library_that_loads_is_replaced(fresh_native, tmp_path) -> None:
+    """A cached library of another ABI loads but is refused; the rebuilt one is used even
+    though this process already mapped the stale one under the same name."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None
+    path = native.library_path(cc)
+    path.parent.mkdir(parents=True)
+    src = tmp_path / "stale.c"
+    src.write_text("int kvtier_copy_abi_version(void) { return 999; }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(path), str(src)], check=True)
+    fn = native.load()
+    assert fn is not None
+    assert fn.argtypes is not None and len(fn.argtypes) == 11
+
+
+@needs_cc
+def test_a_cache_directory_others_can_write_is_not_used(fresh_native, tmp_path, caplog) -> None:
+    shared = tmp_path / "cache" / "native"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="kvtier.npu_copy.native"):
+        assert native.load() is None
+    assert "not private" in caplog.text
+    assert not list(shared.iterdir())

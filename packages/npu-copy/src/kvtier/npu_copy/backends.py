@@ -145,6 +145,7 @@ class CPUBackend:
         )
         self._nat_sizes = _c_array(ctypes.c_uint64, self._seg_sizes)
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()  # the store and load workers may both want it
         self._queues: dict[str, queue.SimpleQueue[Any]] = {}
         self._workers: list[threading.Thread] = []
         self._closed = False
@@ -254,6 +255,13 @@ class CPUBackend:
         else:
             self._copy_large(single_dev, single_host, to_host=to_host)
 
+    def _copy_pool(self) -> ThreadPoolExecutor:
+        """The extra copy threads, started on first use (one pool, whichever worker asks)."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvtier-copy")
+            return self._pool
+
     def _copy_native(self, device_ids: list[int], host_ids: list[int], *, to_host: bool) -> None:
         """All (block, segment) pieces in one native call per copy thread, GIL released."""
         nb = len(device_ids)
@@ -269,11 +277,10 @@ class CPUBackend:
         if threads == 1:
             fn(*dst, *src, sizes, nb, 0, n, stream)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvtier-copy")
+        pool = self._copy_pool()
         step = -(-n // threads)
         futures = [
-            self._pool.submit(fn, *dst, *src, sizes, nb, i, min(i + step, n), stream)
+            pool.submit(fn, *dst, *src, sizes, nb, i, min(i + step, n), stream)
             for i in range(step, n, step)
         ]
         fn(*dst, *src, sizes, nb, 0, step, stream)
@@ -308,14 +315,11 @@ class CPUBackend:
         if self.threads == 1 or total < PARALLEL_MIN_BYTES:
             _memmove_many(dsts, srcs, sizes)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvtier-copy")
+        pool = self._copy_pool()
         n = len(sizes)
         step = -(-n // self.threads)
         futures: list[Future[Any]] = [
-            self._pool.submit(
-                _memmove_many, dsts[i : i + step], srcs[i : i + step], sizes[i : i + step]
-            )
+            pool.submit(_memmove_many, dsts[i : i + step], srcs[i : i + step], sizes[i : i + step])
             for i in range(step, n, step)
         ]
         _memmove_many(dsts[:step], srcs[:step], sizes[:step])

@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -59,17 +60,29 @@ def library_path(cc: str) -> Path:
     return cache_dir() / f"copy_pieces-{tag.hexdigest()[:16]}.so"
 
 
-def _build(cc: str, out: Path) -> None:
-    """Compile ``SOURCE`` to ``out`` (atomically: a temporary name, then rename)."""
-    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a library we will load
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+def _private_dir(directory: Path) -> bool:
+    """Whether only this user can write ``directory`` (so nobody else can plant a library)."""
+    st = directory.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _build_and_open(cc: str, out: Path) -> Any:
+    """Compile ``SOURCE``, load it, and leave it at ``out`` for later processes.
+
+    The library is loaded from its temporary name, which no earlier load in this process
+    can have used (a process that loaded a bad file at ``out`` would otherwise get that
+    handle back), then renamed into place: a reader never sees a half-written file.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         cmd = [*cc.split(), "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
+        fn = _open(Path(tmp))
         os.replace(tmp, out)
+        return fn
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -107,14 +120,19 @@ def load() -> Any:
             return None
         try:
             path = library_path(cc)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _private_dir(path.parent):
+                raise RuntimeError(
+                    f"{path.parent} is not private to this user (owner or group/other "
+                    "write permission); set KVTIER_CACHE_DIR to a directory of your own"
+                )
             if path.exists():
                 try:
                     _loaded = _open(path)
                 except (OSError, AttributeError, RuntimeError):  # damaged: build it again
-                    path.unlink()
+                    path.unlink(missing_ok=True)
             if _loaded is None:
-                _build(cc, path)
-                _loaded = _open(path)
+                _loaded = _build_and_open(cc, path)
             log.debug("kvtier native copy loaded from %s", path)
         except Exception as exc:  # any failure keeps the portable path
             log.warning("kvtier native copy unavailable (%s); using memmove per piece", exc)
