@@ -196,15 +196,26 @@ class HostBlockPool:
 
         complete_store.__doc__ = general.__doc__
         self.complete_store = complete_store  # type: ignore[method-assign]
+        # And lookup of one key (the scheduler asks per block): the same, hits or misses.
+        general_lookup = HostBlockPool.lookup
+
+        def lookup(keys: Sequence[Hashable]) -> int:
+            if len(keys) == 1 and self.filter is None:
+                try:
+                    return 1 if table[keys[0]] >= 0 else 0
+                except KeyError:
+                    return 0
+            return general_lookup(self, keys)
+
+        lookup.__doc__ = general_lookup.__doc__
+        self.lookup = lookup  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ keyed cache
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """Number of leading ``keys`` whose blocks are cached and readable now."""
-        if self.filter is not None:
+        if self.filter is not None:  # (one key without a filter: the closure bound in __init__)
             self.filter.record(keys)
-        elif len(keys) == 1:  # the common case, without loop bookkeeping
-            return 1 if self._keys.get(keys[0], -1) >= 0 else 0
         get = self._keys.get
         hits = 0
         for key in keys:
