@@ -126,6 +126,7 @@ class CPUBackend:
         self._seg_offsets = [s.host_offset for s in segs]
         self._seg_bases = [(s.rows.data_ptr(), s.rows.stride(0)) for s in segs]
         self._seg_sizes = [s.block_bytes for s in segs]
+        self._block_bytes = sum(self._seg_sizes)  # bytes per block over all segments
         self._host_base = host_blocks.data_ptr()
         self._host_stride = host_blocks.stride(0)
         self._host_view = _span_view(host_blocks)
@@ -250,7 +251,7 @@ class CPUBackend:
         if self._native is not None:
             self._copy_native(single_dev, single_host, to_host=to_host)
             return
-        if sum(self._seg_sizes) // len(self._seg_sizes) < PARALLEL_MIN_PIECE_BYTES:
+        if self._block_bytes // len(self._seg_sizes) < PARALLEL_MIN_PIECE_BYTES:
             self._copy_small(single_dev, single_host, to_host=to_host)
         else:
             self._copy_large(single_dev, single_host, to_host=to_host)
@@ -262,6 +263,23 @@ class CPUBackend:
                 self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvtier-copy")
             return self._pool
 
+    def _on_copy_threads(self, n: int, total: int, run: Callable[[int, int], object]) -> None:
+        """``run(start, end)`` over pieces ``[0, n)`` of a ``total``-byte transfer: on this
+        thread below ``PARALLEL_MIN_BYTES``, else in equal ranges over the copy threads
+        (this one included), returning when all are done."""
+        threads = min(self.threads, n) if total >= PARALLEL_MIN_BYTES else 1
+        if threads <= 1:
+            run(0, n)
+            return
+        pool = self._copy_pool()
+        step = -(-n // threads)
+        futures: list[Future[Any]] = [
+            pool.submit(run, i, min(i + step, n)) for i in range(step, n, step)
+        ]
+        run(0, step)
+        for f in futures:
+            f.result()
+
     def _copy_native(self, device_ids: list[int], host_ids: list[int], *, to_host: bool) -> None:
         """All (block, segment) pieces in one native call per copy thread, GIL released."""
         nb = len(device_ids)
@@ -269,23 +287,11 @@ class CPUBackend:
         dev = (*self._nat_dev, _c_array(ctypes.c_int64, device_ids))
         host = (*self._nat_host, _c_array(ctypes.c_int64, host_ids))
         dst, src = (host, dev) if to_host else (dev, host)
-        total = sum(self._seg_sizes) * nb
+        total = self._block_bytes * nb
         stream = int(total >= STREAM_MIN_BYTES)
         fn: Callable[..., None] = self._native
         sizes = self._nat_sizes
-        threads = 1 if total < PARALLEL_MIN_BYTES else min(self.threads, n)
-        if threads == 1:
-            fn(*dst, *src, sizes, nb, 0, n, stream)
-            return
-        pool = self._copy_pool()
-        step = -(-n // threads)
-        futures = [
-            pool.submit(fn, *dst, *src, sizes, nb, i, min(i + step, n), stream)
-            for i in range(step, n, step)
-        ]
-        fn(*dst, *src, sizes, nb, 0, step, stream)
-        for f in futures:
-            f.result()
+        self._on_copy_threads(n, total, lambda a, b: fn(*dst, *src, sizes, nb, a, b, stream))
 
     def _copy_small(self, device_ids: list[int], host_ids: list[int], *, to_host: bool) -> None:
         """One memoryview slice assignment per (block, segment), on this thread."""
@@ -311,20 +317,11 @@ class CPUBackend:
         dev_ptrs = [base + d * stride for base, stride in self._seg_bases for d in device_ids]
         sizes = [size for size in self._seg_sizes for _ in device_ids]
         dsts, srcs = (host_ptrs, dev_ptrs) if to_host else (dev_ptrs, host_ptrs)
-        total = sum(self._seg_sizes) * len(device_ids)
-        if self.threads == 1 or total < PARALLEL_MIN_BYTES:
-            _memmove_many(dsts, srcs, sizes)
-            return
-        pool = self._copy_pool()
-        n = len(sizes)
-        step = -(-n // self.threads)
-        futures: list[Future[Any]] = [
-            pool.submit(_memmove_many, dsts[i : i + step], srcs[i : i + step], sizes[i : i + step])
-            for i in range(step, n, step)
-        ]
-        _memmove_many(dsts[:step], srcs[:step], sizes[:step])
-        for f in futures:
-            f.result()
+        self._on_copy_threads(
+            len(sizes),
+            self._block_bytes * len(device_ids),
+            lambda a, b: _memmove_many(dsts[a:b], srcs[a:b], sizes[a:b]),
+        )
 
 
 def _memmove_many(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> None:
