@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from kvtier.tiering_spec.config import FsTierConfig
+from kvtier.tiering_spec.fsformat import checksum, key_digest
 from kvtier.tiering_spec.fstier import O_DIRECT, FileSystemTier, probe_o_direct
 
 GiB = 1 << 30
@@ -113,8 +114,6 @@ def bench_kvtier(root: str, buf: mmap.mmap, block: int, threads: int) -> list[di
     cfg = FsTierConfig(root_dir=root, n_read_threads=threads, n_write_threads=threads)
     tier = FileSystemTier(cfg, [{"bench": "kvtier", "rank": 0}], block, lambda: [view])
     keys = [b"bench-key-%d" % i for i in range(n)]
-    from kvtier.tiering_spec.fsformat import key_digest
-
     digests = [key_digest(k) for k in keys]
 
     def write() -> None:
@@ -250,8 +249,6 @@ def fs_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     # What the payload checksum alone costs: every byte read once more from memory.
-    from kvtier.tiering_spec.fsformat import checksum
-
     view = memoryview(buf)
     ck = [
         measure(lambda: [checksum(view[i : i + block]) for i in range(0, size, block)])

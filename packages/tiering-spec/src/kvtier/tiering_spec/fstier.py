@@ -521,18 +521,13 @@ class FileSystemTier:
 
     # ----------------------------------------------------------------- I/O threads
 
-    def _header_buffer(self) -> mmap.mmap:
-        buf = getattr(self._local, "hdr", None)
+    def _thread_buffer(self, name: str, size: int) -> mmap.mmap:
+        """This I/O thread's own scratch buffer ``name``: page aligned (for O_DIRECT)
+        and zero filled when made."""
+        buf = getattr(self._local, name, None)
         if buf is None:
-            buf = mmap.mmap(-1, fsformat.HEADER_SIZE)  # page aligned, zero filled
-            self._local.hdr = buf
-        return buf
-
-    def _tail_buffer(self) -> mmap.mmap:
-        buf = getattr(self._local, "tail", None)
-        if buf is None:
-            buf = mmap.mmap(-1, 4096)  # one page, aligned for O_DIRECT
-            self._local.tail = buf
+            buf = mmap.mmap(-1, size)
+            setattr(self._local, name, buf)
         return buf
 
     def _payload(self, views: Sequence[memoryview], rank: int, block_id: int) -> memoryview:
@@ -606,7 +601,7 @@ class FileSystemTier:
     def _write_file_as(
         self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview, direct: bool
     ) -> None:
-        hdr = self._header_buffer()
+        hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
         crc = fsformat.checksum(payload)
         hdr[: fsformat.HEADER_USED] = fsformat.encode_header(
             fingerprint, digest, self.payload_bytes, crc
@@ -671,8 +666,9 @@ class FileSystemTier:
     def _read_file_as(
         self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview, direct: bool
     ) -> None:
-        hdr = self._header_buffer()
-        tail = self._tail_buffer()  # a file longer than a block file reads into this
+        hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
+        # A file longer than a block file reads into one page of slack.
+        tail = self._thread_buffer("tail", fsformat.ALIGNMENT)
         # O_NONBLOCK: a FIFO planted under that name fails the read instead of hanging.
         flags = os.O_RDONLY | os.O_NONBLOCK | (O_DIRECT if direct else 0)
         fd = os.open(path, flags)
