@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 
@@ -24,9 +22,7 @@ def fresh_native(tmp_path, monkeypatch) -> Iterator[None]:
     native.reset_for_tests()
 
 
-needs_cc = pytest.mark.skipif(
-    not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here"
-)
+needs_cc = pytest.mark.skipif(native._compiler() is None, reason="no C compiler here")
 
 
 @needs_cc
@@ -112,9 +108,9 @@ def test_scattered_copies_are_byte_exact(
 def test_a_damaged_cached_library_is_built_again(fresh_native) -> None:
     # (Damaged before this process maps it: rewriting a mapped library in place would
     # fault the process, which is why builds only ever rename a new file into place.)
-    cc = shutil.which("cc") or shutil.which("gcc")
+    cc = native._compiler()
     assert cc is not None
-    path = native.library_path(os.environ.get("CC") or cc)
+    path = native.library_path(cc)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")
     assert native.load() is not None
@@ -125,7 +121,7 @@ def test_a_damaged_cached_library_is_built_again(fresh_native) -> None:
 def test_a_stale_library_that_loads_is_replaced(fresh_native, tmp_path) -> None:
     """A cached library of another ABI loads but is refused; the rebuilt one is used even
     though this process already mapped the stale one under the same name."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = native._compiler()
     assert cc is not None
     path = native.library_path(cc)
     path.parent.mkdir(parents=True)
