@@ -90,9 +90,11 @@ def test_arc_scan_does_not_pile_up_behind_a_key_that_may_not_go() -> None:
             CountingDict.lookups += 1
             return super().get(key, default)
 
+    class CountingARC(ARCPolicy):
+        _table_type = CountingDict
+
     n = 2000
-    arc = ARCPolicy(n)
-    arc.t1 = CountingDict()
+    arc = CountingARC(n)
     arc.insert(list(range(n)))
     pinned = 0
     for i in range(n, 3 * n):
@@ -163,3 +165,22 @@ def test_module_path_to_a_non_policy_is_rejected() -> None:
 @pytest.mark.parametrize("name", ["LRU", "Arc"])
 def test_policy_names_are_case_insensitive(name: str) -> None:
     assert make_policy(name, 4).name == name.lower()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_arc_recency_logs_stay_bounded_without_evictions(batch: int) -> None:
+    """Hits append to T2's log and misses in a batch are logged too: with nothing
+    ever evicted, compaction must still keep each log near its live entries."""
+    from kvtier.blockpool.policies import MIN_LOG_TO_COMPACT
+
+    arc = ARCPolicy(64)
+    arc.insert(list(range(64)))
+    for i in range(20_000):
+        keys = [(i + j) % 64 for j in range(batch)]
+        if batch > 1:
+            keys.append(1000 + i)  # never cached
+        arc.touch(keys)
+    log1, log2 = arc._logs
+    assert len(arc.t2) == 64 and not arc.t1
+    assert len(log2) <= 2 * 64 + MIN_LOG_TO_COMPACT + batch + 1
+    assert len(log1) <= 64

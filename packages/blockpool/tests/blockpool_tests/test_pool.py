@@ -41,6 +41,18 @@ def test_prepare_store_skips_keys_already_present() -> None:
     assert plan is not None and plan.keys == [k(2)] and len(plan.block_ids) == 1
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_key_listed_twice_is_stored_once(policy: str) -> None:
+    pool = HostBlockPool(4, eviction_policy=policy)
+    plan = pool.prepare_store([k(0), k(1), k(0)])
+    assert plan is not None and plan.keys == [k(0), k(1)] and len(plan.block_ids) == 2
+    pool.complete_store(plan.keys)
+    pool.check_invariants()
+    assert pool.num_free == 2
+    # Both go again on eviction, each once.
+    assert sorted(pool.evict_all()) == [k(0), k(1)] and pool.num_free == 4
+
+
 def test_prepare_store_hands_out_contiguous_blocks() -> None:
     pool = HostBlockPool(64)
     plan = pool.prepare_store([k(i) for i in range(16)])

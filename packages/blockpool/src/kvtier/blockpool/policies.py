@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
 Key = Hashable
@@ -88,18 +88,11 @@ class LRUPolicy:
         return list(self._order)
 
 
-DEAD_ENTRIES_TO_COMPACT = 32
+DEAD_ENTRIES_TO_COMPACT = 16
 """Gone entries one eviction walk may pass behind a live key before it compacts them."""
 
-
-class _Lane:
-    """One ARC list's eviction scan over a plain dict (see ``ARCPolicy``)."""
-
-    __slots__ = ("pos", "snap")
-
-    def __init__(self) -> None:
-        self.snap: list[Key] = []  # the dict's keys, oldest first, when last copied
-        self.pos = 0  # snap[:pos] are all gone or stamped again since the copy
+MIN_LOG_TO_COMPACT = 1024
+"""A recency log is compacted when it reaches this many entries, or twice its live ones."""
 
 
 class ARCPolicy:
@@ -113,160 +106,251 @@ class ARCPolicy:
     else of ``T2``; if the chosen list has no evictable key, the other list is used.
     Ghost lists are bounded so that ``|T1|+|B1| <= c`` and the total is ``<= 2c``.
 
-    ``T1`` and ``T2`` are plain dicts in recency order (oldest first): a hit is a
-    delete and an insert, with no linked-list nodes to allocate or unlink, which
-    is what makes a touch cheap. A plain dict cannot be scanned from its oldest
-    end cheaply after many deletions, so eviction scans a copy of its keys
-    (``_Lane.snap``) and remembers how far the copy is used up. Each value is
-    the *stamp* of the copy that was current when the key was (re)inserted; a
-    copied key is still at its copied position exactly when its stamp is older
-    than the copy, so keys touched or re-inserted since are skipped there and
-    met again in a later copy. Each key is passed over once per copy it is in, and
-    a walk that passes many gone entries behind a key that may not be evicted yet
-    moves the live ones forward over them, so eviction is amortised O(1) per key,
-    pinned keys aside (they are rescanned, as in any LRU walk).
+    Layout, for a cheap hit. Every cached key is in one dict, ``_where``, and each
+    list's recency order is an append-only log of keys (oldest first). A hit
+    rewrites the key's value in place and appends the key to T2's log: one probe
+    of one table, where moving the key between two tables (or unlinking list
+    nodes) is two or more. A key's value says its list and where its current log
+    entry can be: the log position at the start of the call that put it there,
+    ``s`` for T1 and ``~s`` (negative) for T2. Positions are absolute (a log
+    keeps the position of its first element), so an entry at position ``i`` is
+    the key's current one exactly when the value is of that list and its ``s <=
+    i``; entries of earlier visits are skipped. A walk remembers where its log's
+    gone prefix ends, and a log is compacted (live entries kept, in order, at the
+    end of their old span, so positions only grow) once it is twice as long as
+    its live entries. Eviction is amortised O(1) per key, pinned keys aside
+    (they are rescanned, as in any LRU walk).
     """
 
     name = "arc"
+    _table_type: type[dict[Key, int]] = dict  # the key table's type (a test counts lookups)
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self.p = 0.0
-        self.t1: dict[Key, int] = {}
-        self.t2: dict[Key, int] = {}
         self.b1: OrderedDict[Key, None] = OrderedDict()
         self.b2: OrderedDict[Key, None] = OrderedDict()
-        self._stamp1 = self._stamp2 = 0  # stamps of keys (re)inserted from now on
-        self._lane1, self._lane2 = _Lane(), _Lane()
+        # key -> s (T1) or ~s (T2): s is the log position when the key was put there
+        self._where: dict[Key, int] = self._table_type()
+        where = self._where
+        self._logs: tuple[list[Key], list[Key]] = ([], [])  # T1's and T2's recency logs
+        # Per log: the absolute position of its first element, the index its gone
+        # prefix ends at, and the length at which it is compacted next; then the
+        # keys inserted into T1 and the keys moved from T1 to T2 by hits (so
+        # |T1| = st[6] - st[7]). One list, so the hit path reaches it in a cell.
+        st = self._st = [0, 0, 0, 0, MIN_LOG_TO_COMPACT, MIN_LOG_TO_COMPACT, 0, 0]
+        log2 = self._logs[1]
+        get, append, extend = where.get, log2.append, log2.extend
+        compact = self._compact
+
+        def touch(keys: Sequence[Key]) -> None:
+            if len(keys) == 1:  # the common case, without the loop
+                key = keys[0]
+                v = get(key)
+                if v is None:
+                    return  # not cached
+                n = len(log2)
+                where[key] = ~(st[1] + n)
+                append(key)
+                if v >= 0:  # from T1: its old entry is in T1's log
+                    st[7] += 1
+                elif n >= st[5]:  # a T2 hit leaves an old entry in T2's log
+                    compact(1)
+                return
+            n = len(log2)
+            cur = ~(st[1] + n)
+            moved = 0
+            dup = False
+            for key in keys:
+                v = get(key)
+                if v is None:
+                    continue
+                if v >= 0:
+                    moved += 1
+                elif v == cur:  # listed twice in this call
+                    dup = True
+                where[key] = cur
+            st[7] += moved
+            # The first key ends up the newest. Keys not cached are logged too (their
+            # entries are never current): cheaper than leaving them out.
+            extend(list(dict.fromkeys(keys))[::-1] if dup else reversed(keys))
+            if n >= st[5]:
+                compact(1)
+
+        touch.__doc__ = ARCPolicy.touch.__doc__
+        self.touch = touch  # type: ignore[method-assign]
 
     def insert(self, keys: Sequence[Key]) -> None:
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        s1, s2 = self._stamp1, self._stamp2
+        where, st = self._where, self._st
+        log1, log2 = self._logs
+        b1, b2 = self.b1, self.b2
         if not (b1 or b2):  # no ghosts: every key is new to T1
+            s = st[0] + len(log1)
             for key in keys:
-                t1[key] = s1
-            return
-        for key in keys:
-            if b1 and key in b1:
-                self.p = min(float(self.capacity), self.p + max(1.0, len(b2) / len(b1)))
-                del b1[key]
-                t2[key] = s2
-            elif b2 and key in b2:
-                self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
-                del b2[key]
-                t2[key] = s2
-            else:
-                t1[key] = s1
-        self._trim_ghosts()
+                where[key] = s
+            log1.extend(keys)
+            st[6] += len(keys)
+        else:
+            # Every entry this call logs is at or after its log's current end.
+            s1, s2 = st[0] + len(log1), ~(st[1] + len(log2))
+            to1: list[Key] = []
+            to2: list[Key] = []
+            for key in keys:
+                if b1 and key in b1:
+                    self.p = min(float(self.capacity), self.p + max(1.0, len(b2) / len(b1)))
+                    del b1[key]
+                elif b2 and key in b2:
+                    self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
+                    del b2[key]
+                else:
+                    where[key] = s1
+                    to1.append(key)
+                    continue
+                where[key] = s2
+                to2.append(key)
+            log1.extend(to1)
+            st[6] += len(to1)
+            if to2:
+                log2.extend(to2)
+                if len(log2) >= st[5]:
+                    self._compact(1)
+            self._trim_ghosts()
+        if len(log1) >= st[4]:
+            self._compact(0)
 
     def touch(self, keys: Sequence[Key]) -> None:
-        t1, t2, s2 = self.t1, self.t2, self._stamp2
-        # dict.pop with a default is one probe, where "in" then "del" are two.
-        if len(keys) == 1:  # the common case, without the iterator
-            key = keys[0]
-            if t1.pop(key, None) is None and t2.pop(key, None) is None:
-                return  # not cached
-            t2[key] = s2
-            return
-        pop1, pop2 = t1.pop, t2.pop
-        for key in reversed(keys):
-            if pop1(key, None) is None and pop2(key, None) is None:
-                continue
-            t2[key] = s2
+        """``keys`` were used again. The *first* key ends up the most recently used.
+        Unknown keys are ignored."""
+        self.touch(keys)  # the closure __init__ binds on the instance
 
     def remove(self, key: Key) -> None:
-        if self.t1.pop(key, None) is None:
-            del self.t2[key]
+        if self._where.pop(key) >= 0:
+            self._st[6] -= 1
 
-    def _scan(self, which: int, evictable: Callable[[Key], bool]) -> Iterator[Key]:
-        """The evictable keys of T1 (``which`` 1) or T2 (2), oldest first, lazily."""
-        table = self.t1 if which == 1 else self.t2
-        lane = self._lane1 if which == 1 else self._lane2
-        get = table.get
-        given: set[Key] | None = None  # keys yielded from an earlier copy
-        while True:
-            snap = lane.snap
-            stamp = self._stamp1 if which == 1 else self._stamp2
-            valid = dead = 0
-            i = lane.pos - 1
-            try:
-                for i in range(lane.pos, len(snap)):
-                    key = snap[i]
-                    if get(key, stamp) < stamp:  # present, not re-stamped since the copy
-                        valid += 1
-                        if (given is None or key not in given) and evictable(key):
-                            yield key
-                    elif valid == 0:
-                        lane.pos = i + 1
-                    else:
-                        dead += 1
-            finally:  # also when the caller stops early
-                if dead >= DEAD_ENTRIES_TO_COMPACT:
-                    # A key that may not go yet (pinned, storing) holds the front: move
-                    # the live keys of the walked stretch to its end, in order, so the
-                    # next walk does not pass the gone ones again. Costs what the walk did.
-                    stop = i + 1
-                    keep = [k for k in snap[lane.pos : stop] if get(k, stamp) < stamp]
-                    snap[stop - len(keep) : stop] = keep
-                    lane.pos = stop - len(keep)
-            if len(table) == valid:  # every key was in this copy: done
-                return
-            # Keys (re)inserted since the copy follow it: copy again, under a new
-            # stamp, and skip what was already given from the old copy.
-            old = {k for k in snap[lane.pos :] if get(k, stamp) < stamp}
-            given = old if given is None else given | old
-            lane.snap = list(table)
-            lane.pos = 0
-            if which == 1:
-                self._stamp1 += 1
+    def _len1(self) -> int:
+        return self._st[6] - self._st[7]
+
+    def _current_entries(self, lane: int, start: int = 0, stop: int | None = None) -> list[Key]:
+        """The keys whose current entry is in ``log[start:stop]`` of T1 (``lane`` 0) or
+        T2 (1), in log order."""
+        get, log = self._where.get, self._logs[lane]
+        first = self._st[lane] + start  # the absolute position of log[start]
+        if lane == 0:
+            return [k for i, k in enumerate(log[start:stop], first) if 0 <= get(k, -1) <= i]
+        return [k for i, k in enumerate(log[start:stop], first) if ~i <= get(k, 0) < 0]
+
+    def _compact(self, lane: int) -> None:
+        """Drop the log's entries that are no longer current, keeping its order, once
+        they are at least as many as the current ones; else check again later."""
+        st, log = self._st, self._logs[lane]
+        head = st[2 + lane]
+        live = self._len1() if lane == 0 else len(self._where) - self._len1()
+        if len(log) - head < 2 * live + MIN_LOG_TO_COMPACT:
+            st[4 + lane] = head + 2 * live + MIN_LOG_TO_COMPACT
+            return
+        # Not before the gone prefix: a walk's compaction leaves copies of moved keys there.
+        keep = self._current_entries(lane, head)
+        st[lane] += len(log) - len(keep)  # the kept entries end where the log ended
+        log[:] = keep
+        st[2 + lane] = 0
+        st[4 + lane] = 2 * len(keep) + MIN_LOG_TO_COMPACT
+
+    def _walk(self, lane: int, n: int, evictable: Callable[[Key], bool]) -> list[Key]:
+        """Up to ``n`` evictable keys of T1 (``lane`` 0) or T2 (1), oldest first."""
+        get, st, log = self._where.get, self._st, self._logs[lane]
+        base, head, t1 = st[lane], st[2 + lane], lane == 0
+        missing = -1 if t1 else 0
+        found: list[Key] = []
+        valid = dead = 0
+        i = head - 1
+        for i in range(head, len(log)):
+            key = log[i]
+            v = get(key, missing)
+            pos = base + i
+            if (0 <= v <= pos) if t1 else (~pos <= v < 0):
+                valid += 1
+                if evictable(key):
+                    found.append(key)
+                    if len(found) == n:
+                        break
+            elif valid == 0:
+                head = i + 1
             else:
-                self._stamp2 += 1
+                dead += 1
+        if dead >= DEAD_ENTRIES_TO_COMPACT:
+            # A key that may not go yet (pinned, storing) holds the front: move the
+            # current entries of the walked stretch to its end, in order, so the next
+            # walk does not pass the gone ones again. Costs what the walk did.
+            stop = i + 1
+            keep = self._current_entries(lane, head, stop)
+            log[stop - len(keep) : stop] = keep
+            head = stop - len(keep)
+        if head > MIN_LOG_TO_COMPACT and 2 * head > len(log):
+            del log[:head]  # drop the gone prefix
+            st[lane] += head
+            head = 0
+        st[2 + lane] = head
+        return found
 
     def evict(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
-        victims: list[Key] = []
         if n <= 0:
-            return victims
-        # Walk both lists lazily; decide each victim by the ARC rule on the sizes
-        # the lists would have after the victims chosen so far.
-        it1 = self._scan(1, evictable)
-        it2 = self._scan(2, evictable)
-        head1 = next(it1, None)
-        head2 = next(it2, None)
-        from1: list[Key] = []
-        from2: list[Key] = []
-        len1 = len(self.t1)
-        while len(victims) < n:
-            if head1 is None and head2 is None:
-                return None
-            take_t1 = head2 is None or (head1 is not None and len1 - len(from1) > self.p)
-            if take_t1:
-                assert head1 is not None
-                from1.append(head1)
-                victims.append(head1)
-                head1 = next(it1, None)
-            else:
-                from2.append(head2)
-                victims.append(head2)
-                head2 = next(it2, None)
+            return []
+        len1 = self._len1()
+        len2 = len(self._where) - len1
+        # The first n evictable keys of each list (the most either could give), then
+        # each victim by the ARC rule on the sizes the lists would have after the
+        # victims chosen so far.
+        free1 = self._walk(0, n, evictable) if len1 else []
+        free2 = self._walk(1, n, evictable) if len2 else []
+        if len(free1) + len(free2) < n:
+            return None
+        if not free2:
+            from1, from2, victims = free1, free2, free1
+        elif not free1:
+            from1, from2, victims = free1, free2, free2
+        else:
+            p, k1, k2 = self.p, 0, 0
+            victims = []
+            while k1 + k2 < n:
+                if k2 == len(free2) or (k1 < len(free1) and len1 - k1 > p):
+                    victims.append(free1[k1])
+                    k1 += 1
+                else:
+                    victims.append(free2[k2])
+                    k2 += 1
+            from1, from2 = free1[:k1], free2[:k2]
+        where, b1, b2 = self._where, self.b1, self.b2
         for key in from1:
-            del self.t1[key]
-            self.b1[key] = None
+            del where[key]
+            b1[key] = None
         for key in from2:
-            del self.t2[key]
-            self.b2[key] = None
+            del where[key]
+            b2[key] = None
+        self._st[6] -= len(from1)
         self._trim_ghosts()
         return victims
 
     def _trim_ghosts(self) -> None:
-        c = self.capacity
-        while self.b1 and len(self.t1) + len(self.b1) > c:
-            self.b1.popitem(last=False)
-        while self.b2 and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
-            self.b2.popitem(last=False)
+        c, b1, b2 = self.capacity, self.b1, self.b2
+        len1, total = self._len1(), len(self._where)
+        while b1 and len1 + len(b1) > c:
+            b1.popitem(last=False)
+        while b2 and total + len(b1) + len(b2) > 2 * c:
+            b2.popitem(last=False)
+
+    @property
+    def t1(self) -> list[Key]:
+        """The keys of T1, oldest first (a copy)."""
+        return self._current_entries(0, self._st[2])
+
+    @property
+    def t2(self) -> list[Key]:
+        """The keys of T2, oldest first (a copy)."""
+        return self._current_entries(1, self._st[3])
 
     def keys_in_eviction_order(self) -> list[Key]:
         """T1 then T2, each oldest first (the order when |T1| > p throughout)."""
-        return [*self.t1, *self.t2]
+        return self.t1 + self.t2
 
 
 POLICIES: dict[str, type] = {"lru": LRUPolicy, "arc": ARCPolicy}

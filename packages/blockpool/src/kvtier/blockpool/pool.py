@@ -240,6 +240,8 @@ class HostBlockPool:
         """
         table = self._keys
         new_keys = [k for k in keys if k not in table]
+        if len(new_keys) > 1 and len(set(new_keys)) < len(new_keys):
+            new_keys = list(dict.fromkeys(new_keys))  # a key listed twice is stored once
         flt = self.filter
         if flt is not None and new_keys:
             admitted = [k for k in new_keys if flt.admits(k)]
