@@ -112,14 +112,15 @@ class ARCPolicy:
     of one table, where moving the key between two tables (or unlinking list
     nodes) is two or more. A key's value says its list and where its current log
     entry can be: the log position at the start of the call that put it there,
-    ``s`` for T1 and ``~s`` (negative) for T2. Positions are absolute (a log
-    keeps the position of its first element), so an entry at position ``i`` is
-    the key's current one exactly when the value is of that list and its ``s <=
-    i``; entries of earlier visits are skipped. A walk remembers where its log's
-    gone prefix ends, and a log is compacted (live entries kept, in order, at the
-    end of their old span, so positions only grow) once it is twice as long as
-    its live entries. Eviction is amortised O(1) per key, pinned keys aside
-    (they are rescanned, as in any LRU walk).
+    ``s`` for T1 and ``~s`` (negative) for T2. Positions count every entry ever
+    appended (a log keeps its end; its first position is the end minus its
+    length), so an entry at position ``i`` is the key's current one exactly when
+    the value is of that list and its ``s <= i``; entries of earlier visits are
+    skipped. A walk remembers where its log's gone prefix ends, and a log is
+    compacted (current entries kept, in order, at the end of their old span, so
+    positions only grow) once it is twice as long as its current entries.
+    Eviction is amortised O(1) per key, pinned keys aside (they are rescanned,
+    as in any LRU walk).
     """
 
     name = "arc"
@@ -134,31 +135,35 @@ class ARCPolicy:
         self._where: dict[Key, int] = self._table_type()
         where = self._where
         self._logs: tuple[list[Key], list[Key]] = ([], [])  # T1's and T2's recency logs
-        # Per log: the absolute position of its first element, the index its gone
-        # prefix ends at, and the length at which it is compacted next; then the
-        # keys inserted into T1 and the keys moved from T1 to T2 by hits (so
-        # |T1| = st[6] - st[7]). One list, so the hit path reaches it in a cell.
-        st = self._st = [0, 0, 0, 0, MIN_LOG_TO_COMPACT, MIN_LOG_TO_COMPACT, 0, 0]
+        # T1's log end (the position its next entry gets); per log, the index its gone
+        # prefix ends at and the length at which compaction is next considered; the
+        # keys put into T1. A log's first position is its end minus its length.
+        st = self._st = [0, 0, 0, MIN_LOG_TO_COMPACT, MIN_LOG_TO_COMPACT, 0]
+        # What hits change lives in this closure, where the hit path reaches it
+        # fastest: the value of T2's next entry (~ its log's end), and the keys
+        # moved from T1 to T2 (so |T1| = st[5] - promoted).
+        next2 = -1
+        promoted = 0
         log2 = self._logs[1]
         get, append, extend = where.get, log2.append, log2.extend
         compact = self._compact
 
         def touch(keys: Sequence[Key]) -> None:
+            nonlocal next2, promoted
             if len(keys) == 1:  # the common case, without the loop
                 key = keys[0]
                 v = get(key)
                 if v is None:
                     return  # not cached
-                n = len(log2)
-                where[key] = ~(st[1] + n)
+                where[key] = next2
+                next2 -= 1
                 append(key)
                 if v >= 0:  # from T1: its old entry is in T1's log
-                    st[7] += 1
-                elif n >= st[5]:  # a T2 hit leaves an old entry in T2's log
+                    promoted += 1
+                elif len(log2) > st[4]:  # a T2 hit leaves an old entry in T2's log
                     compact(1)
                 return
-            n = len(log2)
-            cur = ~(st[1] + n)
+            cur = next2
             moved = 0
             dup = False
             for key in keys:
@@ -170,52 +175,70 @@ class ARCPolicy:
                 elif v == cur:  # listed twice in this call
                     dup = True
                 where[key] = cur
-            st[7] += moved
+            promoted += moved
+            if dup:
+                keys = list(dict.fromkeys(keys))
             # The first key ends up the newest. Keys not cached are logged too (their
             # entries are never current): cheaper than leaving them out.
-            extend(list(dict.fromkeys(keys))[::-1] if dup else reversed(keys))
-            if n >= st[5]:
+            extend(reversed(keys))
+            next2 = cur - len(keys)
+            if len(log2) > st[4]:
                 compact(1)
+
+        def put2(keys: Sequence[Key]) -> None:
+            """Put keys that are not cached into T2, the last one newest."""
+            nonlocal next2
+            cur = next2
+            for key in keys:
+                where[key] = cur
+            extend(keys)
+            next2 = cur - len(keys)
+
+        def len1() -> int:
+            return st[5] - promoted
+
+        def end2() -> int:
+            return ~next2
 
         touch.__doc__ = ARCPolicy.touch.__doc__
         self.touch = touch  # type: ignore[method-assign]
+        self._put2, self._len1, self._end2 = put2, len1, end2
 
     def insert(self, keys: Sequence[Key]) -> None:
-        where, st = self._where, self._st
-        log1, log2 = self._logs
+        where, st, log1 = self._where, self._st, self._logs[0]
         b1, b2 = self.b1, self.b2
         if not (b1 or b2):  # no ghosts: every key is new to T1
-            s = st[0] + len(log1)
+            s = st[0]
             for key in keys:
                 where[key] = s
             log1.extend(keys)
-            st[6] += len(keys)
+            st[0] += len(keys)
+            st[5] += len(keys)
         else:
-            # Every entry this call logs is at or after its log's current end.
-            s1, s2 = st[0] + len(log1), ~(st[1] + len(log2))
+            s = st[0]
             to1: list[Key] = []
             to2: list[Key] = []
             for key in keys:
                 if b1 and key in b1:
                     self.p = min(float(self.capacity), self.p + max(1.0, len(b2) / len(b1)))
                     del b1[key]
+                    to2.append(key)
                 elif b2 and key in b2:
                     self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
                     del b2[key]
+                    to2.append(key)
                 else:
-                    where[key] = s1
+                    where[key] = s
                     to1.append(key)
-                    continue
-                where[key] = s2
-                to2.append(key)
             log1.extend(to1)
-            st[6] += len(to1)
+            st[0] += len(to1)
+            st[5] += len(to1)
             if to2:
-                log2.extend(to2)
-                if len(log2) >= st[5]:
+                self._put2(to2)
+                if len(self._logs[1]) > st[4]:
                     self._compact(1)
             self._trim_ghosts()
-        if len(log1) >= st[4]:
+        if len(log1) > st[3]:
             self._compact(0)
 
     def touch(self, keys: Sequence[Key]) -> None:
@@ -225,16 +248,18 @@ class ARCPolicy:
 
     def remove(self, key: Key) -> None:
         if self._where.pop(key) >= 0:
-            self._st[6] -= 1
+            self._st[5] -= 1
 
-    def _len1(self) -> int:
-        return self._st[6] - self._st[7]
+    def _first(self, lane: int) -> int:
+        """The position of ``log[0]`` of T1 (``lane`` 0) or T2 (1)."""
+        end = self._st[0] if lane == 0 else self._end2()
+        return end - len(self._logs[lane])
 
     def _current_entries(self, lane: int, start: int = 0, stop: int | None = None) -> list[Key]:
         """The keys whose current entry is in ``log[start:stop]`` of T1 (``lane`` 0) or
         T2 (1), in log order."""
         get, log = self._where.get, self._logs[lane]
-        first = self._st[lane] + start  # the absolute position of log[start]
+        first = self._first(lane) + start  # the position of log[start]
         if lane == 0:
             return [k for i, k in enumerate(log[start:stop], first) if 0 <= get(k, -1) <= i]
         return [k for i, k in enumerate(log[start:stop], first) if ~i <= get(k, 0) < 0]
@@ -243,22 +268,21 @@ class ARCPolicy:
         """Drop the log's entries that are no longer current, keeping its order, once
         they are at least as many as the current ones; else check again later."""
         st, log = self._st, self._logs[lane]
-        head = st[2 + lane]
+        head = st[1 + lane]
         live = self._len1() if lane == 0 else len(self._where) - self._len1()
         if len(log) - head < 2 * live + MIN_LOG_TO_COMPACT:
-            st[4 + lane] = head + 2 * live + MIN_LOG_TO_COMPACT
+            st[3 + lane] = head + 2 * live + MIN_LOG_TO_COMPACT
             return
-        # Not before the gone prefix: a walk's compaction leaves copies of moved keys there.
-        keep = self._current_entries(lane, head)
-        st[lane] += len(log) - len(keep)  # the kept entries end where the log ended
-        log[:] = keep
-        st[2 + lane] = 0
-        st[4 + lane] = 2 * len(keep) + MIN_LOG_TO_COMPACT
+        # Not before the gone prefix: a walk's compaction leaves copies of moved keys
+        # there. The kept entries end where the log ended, so positions only grow.
+        log[:] = self._current_entries(lane, head)
+        st[1 + lane] = 0
+        st[3 + lane] = 2 * len(log) + MIN_LOG_TO_COMPACT
 
     def _walk(self, lane: int, n: int, evictable: Callable[[Key], bool]) -> list[Key]:
         """Up to ``n`` evictable keys of T1 (``lane`` 0) or T2 (1), oldest first."""
         get, st, log = self._where.get, self._st, self._logs[lane]
-        base, head, t1 = st[lane], st[2 + lane], lane == 0
+        base, head, t1 = self._first(lane), st[1 + lane], lane == 0
         missing = -1 if t1 else 0
         found: list[Key] = []
         valid = dead = 0
@@ -286,10 +310,9 @@ class ARCPolicy:
             log[stop - len(keep) : stop] = keep
             head = stop - len(keep)
         if head > MIN_LOG_TO_COMPACT and 2 * head > len(log):
-            del log[:head]  # drop the gone prefix
-            st[lane] += head
+            del log[:head]  # drop the gone prefix (the log's end stays)
             head = 0
-        st[2 + lane] = head
+        st[1 + lane] = head
         return found
 
     def evict(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
@@ -326,7 +349,7 @@ class ARCPolicy:
         for key in from2:
             del where[key]
             b2[key] = None
-        self._st[6] -= len(from1)
+        self._st[5] -= len(from1)
         self._trim_ghosts()
         return victims
 
@@ -341,12 +364,12 @@ class ARCPolicy:
     @property
     def t1(self) -> list[Key]:
         """The keys of T1, oldest first (a copy)."""
-        return self._current_entries(0, self._st[2])
+        return self._current_entries(0, self._st[1])
 
     @property
     def t2(self) -> list[Key]:
         """The keys of T2, oldest first (a copy)."""
-        return self._current_entries(1, self._st[3])
+        return self._current_entries(1, self._st[2])
 
     def keys_in_eviction_order(self) -> list[Key]:
         """T1 then T2, each oldest first (the order when |T1| > p throughout)."""
