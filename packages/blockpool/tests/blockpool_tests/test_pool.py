@@ -127,6 +127,26 @@ def test_prepare_load_of_missing_key_raises_and_pins_nothing() -> None:
     assert pool.stats().read_pinned == 0
 
 
+@pytest.mark.parametrize("keys", [[k(9)], [k(1)], [k(0), k(1)]], ids=["missing", "storing", "two"])
+def test_prepare_load_refuses_keys_not_readable_and_pins_nothing(keys: list[bytes]) -> None:
+    pool = HostBlockPool(8)
+    stored(pool, [k(0)])
+    assert pool.prepare_store([k(1)]) is not None  # k(1) is being stored
+    reason = "not cached" if keys == [k(9)] else "being stored"
+    with pytest.raises(KeyError, match=reason):
+        pool.prepare_load(keys)
+    assert pool.stats().read_pinned == 0
+
+
+def test_complete_store_of_a_batch_skips_keys_it_does_not_know() -> None:
+    pool = HostBlockPool(8)
+    plan = pool.prepare_store([k(0), k(1), k(2)])
+    assert plan is not None
+    pool.complete_store([k(0), k(7), k(1), k(2)])  # k(7) was never prepared
+    assert pool.lookup([k(0), k(1), k(2)]) == 3 and pool.lookup([k(7)]) == 0
+    pool.check_invariants()
+
+
 def test_complete_load_without_prepare_is_an_error_that_changes_nothing() -> None:
     pool = HostBlockPool(8)
     stored(pool, [k(0), k(1)])

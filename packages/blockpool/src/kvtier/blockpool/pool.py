@@ -309,11 +309,18 @@ class HostBlockPool:
                 if stored:
                     self._events.append(CacheEvent("stored", tuple(stored)))
             done = 0
-            for key in keys:
-                block = get(key, 0)
-                if block < 0:
-                    table[key] = ~block
-                    done += 1
+            try:  # a subscript is cheaper than a .get() call; a key not stored is rare
+                for key in keys:
+                    block = table[key]
+                    if block < 0:
+                        table[key] = ~block
+                        done += 1
+            except KeyError:  # finish without it: keys already done are skipped now
+                for key in keys:
+                    block = get(key, 0)
+                    if block < 0:
+                        table[key] = ~block
+                        done += 1
             self._num_storing -= done
             return
         freed: list[int] = []
@@ -336,7 +343,16 @@ class HostBlockPool:
         """
         table = self._keys
         try:
-            blocks = [table[k] for k in keys]
+            if len(keys) == 1:  # the common case, without the list comprehension's frame
+                key = keys[0]
+                block = table[key]
+                if block >= 0:
+                    pins = self._load_pins
+                    pins[key] = pins.get(key, 0) + 1
+                    return [block]
+                blocks = [block]
+            else:
+                blocks = [table[k] for k in keys]
         except KeyError as exc:
             raise KeyError(f"cannot load key {exc.args[0]!r}: it is not cached") from None
         if min(blocks, default=0) < 0:
