@@ -166,7 +166,7 @@ class HostBlockPool:
             else None
         )
         self._histogram = [0] * (len(ALLOCATION_BUCKETS) + 1)
-        self.enable_events = enable_events
+        self._events_on = bool(enable_events)
         self._events: list[CacheEvent] = []
         keys, pins = self._keys, self._load_pins
 
@@ -177,44 +177,53 @@ class HostBlockPool:
         self._evictable = evictable
         # One Python call per touch instead of two: it is the hottest call per step.
         self.touch = self.policy.touch  # type: ignore[method-assign]
-        # complete_store of one key is the next hottest (a store finishing per chunk): a
-        # closure over the key table saves the method binding and an attribute lookup.
-        table, general = self._keys, HostBlockPool.complete_store
+        # complete_store and lookup of one key are the next hottest (a store finishing
+        # per chunk; the scheduler asking per block): without events or a filter (both
+        # fixed at construction), closures over the key table save the method binding
+        # and the attribute lookups.
+        table = self._keys
+        if not enable_events:
+            general = HostBlockPool.complete_store
 
-        def complete_store(keys: Sequence[Hashable], success: bool = True) -> None:
-            if success and len(keys) == 1 and not self.enable_events:
-                key = keys[0]
-                try:
-                    block = table[key]  # a subscript is cheaper than a .get() call
-                except KeyError:
+            def complete_store(keys: Sequence[Hashable], success: bool = True) -> None:
+                if success and len(keys) == 1:
+                    key = keys[0]
+                    try:
+                        block = table[key]  # a subscript is cheaper than a .get() call
+                    except KeyError:
+                        return
+                    if block < 0:
+                        table[key] = ~block
+                        self._num_storing -= 1
                     return
-                if block < 0:
-                    table[key] = ~block
-                    self._num_storing -= 1
-                return
-            general(self, keys, success)
+                general(self, keys, success)
 
-        complete_store.__doc__ = general.__doc__
-        self.complete_store = complete_store  # type: ignore[method-assign]
-        # And lookup of one key (the scheduler asks per block): the same, hits or misses.
-        general_lookup = HostBlockPool.lookup
+            complete_store.__doc__ = general.__doc__
+            self.complete_store = complete_store  # type: ignore[method-assign]
+        if self.filter is None:
+            general_lookup = HostBlockPool.lookup
 
-        def lookup(keys: Sequence[Hashable]) -> int:
-            if len(keys) == 1 and self.filter is None:
-                try:
-                    return 1 if table[keys[0]] >= 0 else 0
-                except KeyError:
-                    return 0
-            return general_lookup(self, keys)
+            def lookup(keys: Sequence[Hashable]) -> int:
+                if len(keys) == 1:
+                    try:
+                        return 1 if table[keys[0]] >= 0 else 0
+                    except KeyError:
+                        return 0
+                return general_lookup(self, keys)
 
-        lookup.__doc__ = general_lookup.__doc__
-        self.lookup = lookup  # type: ignore[method-assign]
+            lookup.__doc__ = general_lookup.__doc__
+            self.lookup = lookup  # type: ignore[method-assign]
+
+    @property
+    def enable_events(self) -> bool:
+        """Whether cache events are recorded (fixed at construction)."""
+        return self._events_on
 
     # ------------------------------------------------------------------ keyed cache
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """Number of leading ``keys`` whose blocks are cached and readable now."""
-        if self.filter is not None:  # (one key without a filter: the closure bound in __init__)
+        if self.filter is not None:  # (no filter: one key goes through the closure of __init__)
             self.filter.record(keys)
         get = self._keys.get
         hits = 0
@@ -295,16 +304,16 @@ class HostBlockPool:
         block_key = self._block_key
         for block in blocks:
             block_key[block] = None
-        if self.enable_events:
+        if self._events_on:
             self._events.append(CacheEvent("removed", tuple(victims)))
         return victims, blocks
 
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> None:
         """Finish a store: the blocks become readable, or on failure are freed."""
         table = self._keys
-        if success:  # (one key without events: the closure bound in __init__)
+        if success:  # (no events: one key goes through the closure of __init__)
             get = table.get
-            if self.enable_events:
+            if self._events_on:
                 stored = [k for k in keys if get(k, 0) < 0]
                 if stored:
                     self._events.append(CacheEvent("stored", tuple(stored)))
@@ -407,7 +416,7 @@ class HostBlockPool:
             self._block_key[block] = None
             self._state[block] = FREE
         self._alloc.free(blocks)
-        if keys and self.enable_events:
+        if keys and self._events_on:
             self._events.append(CacheEvent("removed", tuple(keys)))
         return keys
 
