@@ -207,13 +207,16 @@ class ARCPolicy:
     def insert(self, keys: Sequence[Key]) -> None:
         where, st, log1 = self._where, self._st, self._logs[0]
         b1, b2 = self.b1, self.b2
-        if not (b1 or b2):  # no ghosts: every key is new to T1
+        if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
+            # No key is a ghost: every one is new to T1.
             s = st[0]
             for key in keys:
                 where[key] = s
             log1.extend(keys)
             st[0] += len(keys)
             st[5] += len(keys)
+            if b1 or b2:
+                self._trim_ghosts()
         else:
             s = st[0]
             to1: list[Key] = []
@@ -279,8 +282,10 @@ class ARCPolicy:
         st[1 + lane] = 0
         st[3 + lane] = 2 * len(log) + MIN_LOG_TO_COMPACT
 
-    def _walk(self, lane: int, n: int, evictable: Callable[[Key], bool]) -> list[Key]:
-        """Up to ``n`` evictable keys of T1 (``lane`` 0) or T2 (1), oldest first."""
+    def _walk(self, lane: int, n: int, evictable: Callable[[Key], bool]) -> tuple[list[Key], int]:
+        """Up to ``n`` evictable keys of T1 (``lane`` 0) or T2 (1), oldest first, and
+        the log index after the last entry walked if every current entry walked was
+        returned (so all are gone once those keys are), else -1."""
         get, st, log = self._where.get, self._st, self._logs[lane]
         base, head, t1 = self._first(lane), st[1 + lane], lane == 0
         missing = -1 if t1 else 0
@@ -301,19 +306,20 @@ class ARCPolicy:
                 head = i + 1
             else:
                 dead += 1
+        stop = i + 1
         if dead >= DEAD_ENTRIES_TO_COMPACT:
             # A key that may not go yet (pinned, storing) holds the front: move the
             # current entries of the walked stretch to its end, in order, so the next
             # walk does not pass the gone ones again. Costs what the walk did.
-            stop = i + 1
             keep = self._current_entries(lane, head, stop)
             log[stop - len(keep) : stop] = keep
             head = stop - len(keep)
         if head > MIN_LOG_TO_COMPACT and 2 * head > len(log):
             del log[:head]  # drop the gone prefix (the log's end stays)
+            stop -= head
             head = 0
         st[1 + lane] = head
-        return found
+        return found, stop if valid == len(found) else -1
 
     def evict(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         if n <= 0:
@@ -323,8 +329,8 @@ class ARCPolicy:
         # The first n evictable keys of each list (the most either could give), then
         # each victim by the ARC rule on the sizes the lists would have after the
         # victims chosen so far.
-        free1 = self._walk(0, n, evictable) if len1 else []
-        free2 = self._walk(1, n, evictable) if len2 else []
+        free1, end1 = self._walk(0, n, evictable) if len1 else ([], -1)
+        free2, end2 = self._walk(1, n, evictable) if len2 else ([], -1)
         if len(free1) + len(free2) < n:
             return None
         if not free2:
@@ -342,14 +348,19 @@ class ARCPolicy:
                     victims.append(free2[k2])
                     k2 += 1
             from1, from2 = free1[:k1], free2[:k2]
-        where, b1, b2 = self._where, self.b1, self.b2
+        where, b1, b2, st = self._where, self.b1, self.b2, self._st
         for key in from1:
             del where[key]
             b1[key] = None
         for key in from2:
             del where[key]
             b2[key] = None
-        self._st[5] -= len(from1)
+        st[5] -= len(from1)
+        # A walk whose every current entry went: the next one starts after it.
+        if end1 >= 0 and len(from1) == len(free1):
+            st[1] = end1
+        if end2 >= 0 and len(from2) == len(free2):
+            st[2] = end2
         self._trim_ghosts()
         return victims
 

@@ -249,6 +249,8 @@ class HostBlockPool:
         """
         table = self._keys
         new_keys = [k for k in keys if k not in table]
+        # Keys of the request already present must survive its eviction; none here.
+        present = keys if len(new_keys) < len(keys) else ()
         if len(new_keys) > 1 and len(set(new_keys)) < len(new_keys):
             new_keys = list(dict.fromkeys(new_keys))  # a key listed twice is stored once
         flt = self.filter
@@ -262,7 +264,7 @@ class HostBlockPool:
         alloc = self._alloc
         evicted: list[Any] = []
         if n > alloc.num_free:
-            victims = self._evict(n - alloc.num_free, keys)
+            victims = self._evict(n - alloc.num_free, present)
             if victims is None:
                 return None
             evicted, reused = victims
