@@ -184,3 +184,54 @@ def test_arc_recency_logs_stay_bounded_without_evictions(batch: int) -> None:
     assert len(arc.t2) == 64 and not arc.t1
     assert len(log2) <= 2 * 64 + MIN_LOG_TO_COMPACT + batch + 1
     assert len(log1) <= 64
+
+
+def test_arc_logs_stay_bounded_when_promoted_keys_leave_by_remove() -> None:
+    """Keys promoted to T2 by a hit and then removed (a failed store, a clear): no
+    walk ever passes T2's log, so compaction must bound it."""
+    from kvtier.blockpool.policies import MIN_LOG_TO_COMPACT
+
+    arc = ARCPolicy(8)
+    for key in range(20_000):
+        arc.insert([key])
+        arc.touch([key])
+        arc.remove(key)
+    assert not arc.t1 and not arc.t2
+    assert all(len(log) <= MIN_LOG_TO_COMPACT + 1 for log in arc._logs)
+
+
+def test_arc_touch_that_raises_part_way_loses_no_key() -> None:
+    arc = ARCPolicy(4)
+    arc.insert(["a", "b"])
+    with pytest.raises(TypeError):
+        arc.touch(["b", []])  # the second key cannot be hashed
+    assert arc.t1 == ["a"] and arc.t2 == ["b"]
+    assert arc.evict(2, always) == ["a", "b"], "every key can still be evicted"
+
+
+def test_arc_eviction_walks_only_the_list_it_takes_from() -> None:
+    arc = ARCPolicy(10_000)
+    arc.insert(list(range(8000)))
+    arc.touch(list(range(4000)))  # T2 = 0..3999, T1 = 4000..7999; p = 0: T1 goes first
+    calls = []
+
+    def counting(key: Hashable) -> bool:
+        calls.append(key)
+        return True
+
+    assert arc.evict(1000, counting) == list(range(4000, 5000))
+    assert len(calls) == 1000, "T2 was walked although the rule never reached it"
+    arc.p = 3000.0  # = |T1|: T2 goes first
+    calls.clear()
+    assert arc.evict(1000, counting) == list(range(3999, 2999, -1))  # first touched is newest
+    assert len(calls) == 1000, "T1 was walked although the rule never reached it"
+
+
+def test_arc_policy_cannot_be_copied() -> None:
+    import copy
+
+    arc = ARCPolicy(4)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(arc)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.copy(arc)

@@ -28,7 +28,8 @@ class EvictionPolicy(Protocol):
     """
 
     def insert(self, keys: Sequence[Key]) -> None:
-        """``keys`` were added to the cache, in this order (the last is the newest)."""
+        """``keys`` were added to the cache, in this order (the last is the newest).
+        Each is listed once and is not in the policy already (the pool makes sure)."""
 
     def touch(self, keys: Sequence[Key]) -> None:
         """``keys`` were used again. The *first* key ends up the most recently used
@@ -95,6 +96,13 @@ MIN_LOG_TO_COMPACT = 1024
 """A recency log is compacted when it reaches this many entries, or twice its live ones."""
 
 
+def _value_or_none(get: Callable[[Key], int | None], key: Key) -> int | None:
+    try:
+        return get(key)
+    except Exception:  # not hashable or not comparable: never cached
+        return None
+
+
 class ARCPolicy:
     """Adaptive Replacement Cache (Megiddo and Modha, 2003), adapted to pinning.
 
@@ -158,23 +166,31 @@ class ARCPolicy:
                 where[key] = next2
                 next2 -= 1
                 append(key)
-                if v >= 0:  # from T1: its old entry is in T1's log
+                if v >= 0:  # from T1
                     promoted += 1
-                elif len(log2) > st[4]:  # a T2 hit leaves an old entry in T2's log
+                if len(log2) > st[4]:
                     compact(1)
                 return
             cur = next2
             moved = 0
             dup = False
-            for key in keys:
-                v = get(key)
-                if v is None:
-                    continue
-                if v >= 0:
-                    moved += 1
-                elif v == cur:  # listed twice in this call
-                    dup = True
-                where[key] = cur
+            try:
+                for key in keys:
+                    v = get(key)
+                    if v is None:
+                        continue
+                    if v >= 0:
+                        moved += 1
+                    elif v == cur:  # listed twice in this call
+                        dup = True
+                    where[key] = cur
+            except BaseException:  # a key that cannot be hashed, say: log those done
+                promoted += moved
+                done = [k for k in keys if _value_or_none(get, k) == cur]
+                keys = list(dict.fromkeys(done))
+                extend(reversed(keys))
+                next2 = cur - len(keys)
+                raise
             promoted += moved
             if dup:
                 keys = list(dict.fromkeys(keys))
@@ -204,7 +220,15 @@ class ARCPolicy:
         self.touch = touch  # type: ignore[method-assign]
         self._put2, self._len1, self._end2 = put2, len1, end2
 
+    def __copy__(self) -> ARCPolicy:
+        raise TypeError("an ARCPolicy cannot be copied: its hit path is bound to it")
+
+    def __deepcopy__(self, memo: dict[int, object]) -> ARCPolicy:
+        return self.__copy__()
+
     def insert(self, keys: Sequence[Key]) -> None:
+        """``keys`` entered the cache: each once, none already in the policy (the pool
+        makes sure); the last is the newest."""
         where, st, log1 = self._where, self._st, self._logs[0]
         b1, b2 = self.b1, self.b2
         if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
@@ -258,9 +282,10 @@ class ARCPolicy:
         end = self._st[0] if lane == 0 else self._end2()
         return end - len(self._logs[lane])
 
-    def _current_entries(self, lane: int, start: int = 0, stop: int | None = None) -> list[Key]:
+    def _current_entries(self, lane: int, start: int, stop: int | None = None) -> list[Key]:
         """The keys whose current entry is in ``log[start:stop]`` of T1 (``lane`` 0) or
-        T2 (1), in log order."""
+        T2 (1), in log order. ``start`` must not be before the log's gone prefix ends:
+        a walk's compaction leaves copies of the keys it moved there, which would pass."""
         get, log = self._where.get, self._logs[lane]
         first = self._first(lane) + start  # the position of log[start]
         if lane == 0:
@@ -276,8 +301,8 @@ class ARCPolicy:
         if len(log) - head < 2 * live + MIN_LOG_TO_COMPACT:
             st[3 + lane] = head + 2 * live + MIN_LOG_TO_COMPACT
             return
-        # Not before the gone prefix: a walk's compaction leaves copies of moved keys
-        # there. The kept entries end where the log ended, so positions only grow.
+        # From the gone prefix's end. The kept entries end where the log ended, so
+        # positions only grow.
         log[:] = self._current_entries(lane, head)
         st[1 + lane] = 0
         st[3 + lane] = 2 * len(log) + MIN_LOG_TO_COMPACT
@@ -326,11 +351,21 @@ class ARCPolicy:
             return []
         len1 = self._len1()
         len2 = len(self._where) - len1
-        # The first n evictable keys of each list (the most either could give), then
-        # each victim by the ARC rule on the sizes the lists would have after the
-        # victims chosen so far.
-        free1, end1 = self._walk(0, n, evictable) if len1 else ([], -1)
-        free2, end2 = self._walk(1, n, evictable) if len2 else ([], -1)
+        p = self.p
+        # The first evictable keys of each list, up to n (the most either could give),
+        # then each victim by the ARC rule on the sizes the lists would have after
+        # the victims chosen so far. A list the rule would not reach is not walked.
+        t1_first = len1 - n + 1 > p  # T1 for every victim, while it has evictable keys
+        t2_first = len1 <= p  # T2 for every victim, while it has evictable keys
+        free1: list[Key] = []
+        free2: list[Key] = []
+        end1 = end2 = -1
+        if len1 and not t2_first:
+            free1, end1 = self._walk(0, n, evictable)
+        if len2 and not (t1_first and len(free1) == n):
+            free2, end2 = self._walk(1, n - len(free1) if t1_first else n, evictable)
+        if t2_first and len1 and len(free2) < n:
+            free1, end1 = self._walk(0, n - len(free2), evictable)
         if len(free1) + len(free2) < n:
             return None
         if not free2:
@@ -338,7 +373,7 @@ class ARCPolicy:
         elif not free1:
             from1, from2, victims = free1, free2, free2
         else:
-            p, k1, k2 = self.p, 0, 0
+            k1 = k2 = 0
             victims = []
             while k1 + k2 < n:
                 if k2 == len(free2) or (k1 < len(free1) and len1 - k1 > p):

@@ -160,7 +160,7 @@ class HostBlockPool:
         self._owned: dict[Hashable, list[int]] = {}
         self._num_owned = 0
         self.stores_skipped = 0
-        self.filter = (
+        self._filter = (
             StoreAdmissionFilter(store_threshold, max_tracker_size)
             if store_threshold >= 2
             else None
@@ -200,7 +200,7 @@ class HostBlockPool:
 
             complete_store.__doc__ = general.__doc__
             self.complete_store = complete_store  # type: ignore[method-assign]
-        if self.filter is None:
+        if self._filter is None:
             general_lookup = HostBlockPool.lookup
 
             def lookup(keys: Sequence[Hashable]) -> int:
@@ -219,12 +219,17 @@ class HostBlockPool:
         """Whether cache events are recorded (fixed at construction)."""
         return self._events_on
 
+    @property
+    def filter(self) -> StoreAdmissionFilter | None:
+        """The ``store_threshold`` admission filter, or ``None`` (fixed at construction)."""
+        return self._filter
+
     # ------------------------------------------------------------------ keyed cache
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """Number of leading ``keys`` whose blocks are cached and readable now."""
-        if self.filter is not None:  # (no filter: one key goes through the closure of __init__)
-            self.filter.record(keys)
+        if self._filter is not None:  # (no filter: one key goes through the closure of __init__)
+            self._filter.record(keys)
         get = self._keys.get
         hits = 0
         for key in keys:
@@ -253,7 +258,7 @@ class HostBlockPool:
         present = keys if len(new_keys) < len(keys) else ()
         if len(new_keys) > 1 and len(set(new_keys)) < len(new_keys):
             new_keys = list(dict.fromkeys(new_keys))  # a key listed twice is stored once
-        flt = self.filter
+        flt = self._filter
         if flt is not None and new_keys:
             admitted = [k for k in new_keys if flt.admits(k)]
             self.stores_skipped += len(new_keys) - len(admitted)
