@@ -168,7 +168,7 @@ class ARCPolicy:
                 append(key)
                 if v >= 0:  # from T1
                     promoted += 1
-                if len(log2) > st[4]:
+                elif len(log2) > st[4]:  # (from T1: see remove)
                     compact(1)
                 return
             cur = next2
@@ -274,8 +274,13 @@ class ARCPolicy:
         self.touch(keys)  # the closure __init__ binds on the instance
 
     def remove(self, key: Key) -> None:
+        st = self._st
         if self._where.pop(key) >= 0:
-            self._st[5] -= 1
+            st[5] -= 1
+        elif len(self._logs[1]) > st[4]:
+            # Keys promoted by one-key hits (which skip this check, being the hottest
+            # call) and then removed, never walked past: keep T2's log bounded here.
+            self._compact(1)
 
     def _first(self, lane: int) -> int:
         """The position of ``log[0]`` of T1 (``lane`` 0) or T2 (1)."""
