@@ -202,13 +202,16 @@ class ARCPolicy:
                 compact(1)
 
         def put2(keys: Sequence[Key]) -> None:
-            """Put keys that are not cached into T2, the last one newest."""
+            """Put keys that are not cached into T2, the last one newest (insert's
+            ghost hits)."""
             nonlocal next2
             cur = next2
             for key in keys:
                 where[key] = cur
             extend(keys)
             next2 = cur - len(keys)
+            if len(log2) > st[4]:
+                compact(1)
 
         def len1() -> int:
             return st[5] - promoted
@@ -231,19 +234,15 @@ class ARCPolicy:
         makes sure); the last is the newest."""
         where, st, log1 = self._where, self._st, self._logs[0]
         b1, b2 = self.b1, self.b2
+        s = st[0]
+        to1: Sequence[Key]
         if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
             # No key is a ghost: every one is new to T1.
-            s = st[0]
             for key in keys:
                 where[key] = s
-            log1.extend(keys)
-            st[0] += len(keys)
-            st[5] += len(keys)
-            if b1 or b2:
-                self._trim_ghosts()
+            to1 = keys
         else:
-            s = st[0]
-            to1: list[Key] = []
+            new1: list[Key] = []
             to2: list[Key] = []
             for key in keys:
                 if b1 and key in b1:
@@ -256,14 +255,14 @@ class ARCPolicy:
                     to2.append(key)
                 else:
                     where[key] = s
-                    to1.append(key)
-            log1.extend(to1)
-            st[0] += len(to1)
-            st[5] += len(to1)
+                    new1.append(key)
+            to1 = new1
             if to2:
                 self._put2(to2)
-                if len(self._logs[1]) > st[4]:
-                    self._compact(1)
+        log1.extend(to1)
+        st[0] += len(to1)
+        st[5] += len(to1)
+        if b1 or b2:
             self._trim_ghosts()
         if len(log1) > st[3]:
             self._compact(0)
