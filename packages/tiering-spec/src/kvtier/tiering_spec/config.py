@@ -91,6 +91,8 @@ class OffloadConfig:
         store_threshold: offers a block needs before it is stored (below 2: off).
         max_tracker_size: keys the admission filter remembers.
         secondary_tiers: validated secondary tiers, in order.
+        model_identity: a name the user gives the model's weights; when set it stands
+            in for kvtier's digest of the weight files in the fs tier's fingerprint.
     """
 
     budget: dict[str, int]
@@ -101,6 +103,7 @@ class OffloadConfig:
     store_threshold: int = 0
     max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
     secondary_tiers: tuple[FsTierConfig, ...] = field(default_factory=tuple)
+    model_identity: str | None = None
 
 
 def parse_config(
@@ -180,6 +183,14 @@ def parse_config(
         parse_fs_tier(t, f"secondary_tiers[{i}]", check_paths=check_paths)
         for i, t in enumerate(tiers_raw)
     )
+    model_identity = extra.get("model_identity")
+    if model_identity is not None and (
+        not isinstance(model_identity, str) or not model_identity.strip()
+    ):
+        raise ConfigError(
+            "model_identity must be a non-empty string that changes whenever the model's "
+            f"weights change (for example 'llama3-8b@2026-11-02'), got {model_identity!r}"
+        )
     roots = [os.path.realpath(t.root_dir) for t in tiers]
     if len(set(roots)) != len(roots):
         raise ConfigError(f"secondary_tiers: two fs tiers share one root_dir ({roots})")
@@ -192,6 +203,7 @@ def parse_config(
         store_threshold=store_threshold,
         max_tracker_size=max_tracker_size,
         secondary_tiers=tiers,
+        model_identity=model_identity,
     )
 
 

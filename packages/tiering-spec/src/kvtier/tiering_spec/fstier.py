@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import queue
+import shutil
 import threading
 import time
 from collections import OrderedDict, deque
@@ -133,6 +134,8 @@ class FileSystemTier:
             host region (``num_blocks * payload_bytes`` bytes), or None while the
             region cannot be mapped yet (the tier then neither reads nor writes).
         name: label in metrics and logs.
+        ephemeral: the fingerprint is this engine's alone (the weights could not be
+            identified): the tier's directories are removed at shutdown.
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class FileSystemTier:
         *,
         name: str = "fs",
         enable_events: bool = False,
+        ephemeral: bool = False,
     ) -> None:
         if payload_bytes <= 0 or payload_bytes % fsformat.ALIGNMENT:
             raise ValueError(
@@ -151,6 +155,7 @@ class FileSystemTier:
             )
         self.cfg = cfg
         self.name = name
+        self.ephemeral = ephemeral
         self.payload_bytes = payload_bytes
         self.file_bytes = fsformat.HEADER_SIZE + payload_bytes
         self.world_size = len(layouts)
@@ -518,6 +523,9 @@ class FileSystemTier:
             t.join()
         self.poll()
         self._views = None
+        if self.ephemeral:
+            for d in self.dirs:
+                shutil.rmtree(d, ignore_errors=True)
 
     # ----------------------------------------------------------------- I/O threads
 

@@ -9,11 +9,17 @@ Everything with logic lives in those modules and is tested without an engine.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import inspect
 import logging
+import os
 import re
+import secrets
 from collections.abc import Collection, Iterable
 from typing import Any, cast
 
+import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -46,8 +52,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.blockpool import HostBlockPool, HostRegion, resolve_budget, round_up
 from kvtier.tiering_spec import metrics as m
 from kvtier.tiering_spec.config import ConfigError, OffloadConfig, parse_config
-from kvtier.tiering_spec.fsformat import ALIGNMENT, FORMAT_VERSION
+from kvtier.tiering_spec.fsformat import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.fstier import FileSystemTier
+from kvtier.tiering_spec.identity import digest_model, resolve_model_location
 from kvtier.tiering_spec.manager import Lookup, TierManager
 from kvtier.tiering_spec.worker import OffloadTransferWorker
 
@@ -59,6 +66,81 @@ _LOOKUP = {Lookup.HIT: LookupResult.HIT, Lookup.HIT_PENDING: LookupResult.HIT_PE
 def _region_name(engine_id: str, rank: int) -> str:
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:150] or "engine"
     return f"tiering-{safe}-r{rank}"
+
+
+def _engine_configs() -> tuple[Any, Any]:
+    """The ``VllmConfig`` and ``KVCacheConfig`` of the connector that is building a spec.
+
+    vLLM hands a spec only an ``OffloadingConfig``, which names the model by its path
+    and nothing more; the connector constructor that builds the spec holds both configs
+    as locals (``vllm_config``, ``kv_cache_config``). (None, None) where they are not found.
+    """
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    vllm_config = kv_cache_config = None
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            if frame is None or (vllm_config is not None and kv_cache_config is not None):
+                break
+            local = frame.f_locals
+            if vllm_config is None and isinstance(local.get("vllm_config"), VllmConfig):
+                vllm_config = local["vllm_config"]
+            if kv_cache_config is None and isinstance(local.get("kv_cache_config"), KVCacheConfig):
+                kv_cache_config = local["kv_cache_config"]
+            frame = frame.f_back
+    finally:
+        del frame
+    return vllm_config, kv_cache_config
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON-serialisable data (dataclasses, enums, dtypes, containers)."""
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            "type": type(value).__name__,
+            **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)},
+        }
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_plain(v) for v in value]
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    return str(value).removeprefix("torch.")
+
+
+def _tensor_placement(tensor: Any, num_blocks: int) -> Any:
+    """How one ``KVCacheTensor`` places its layers' pages, without what depends on the
+    number of device blocks (it changes with free device memory from one start to the
+    next, and the bytes of a block do not)."""
+    fields = _plain(tensor)
+    if not isinstance(fields, dict):
+        return fields
+    fields.pop("size", None)
+    # Layer-major tensors step a layer by num_blocks blocks: keep that count in layers.
+    span = int(fields.get("block_stride") or 0) * num_blocks
+    for name in ("layer_stride", "offset"):
+        value = fields.get(name)
+        if isinstance(value, int) and span:
+            fields[name] = [value // span, value % span]
+    return fields
+
+
+def block_hash_seed(hash_algo: str) -> str:
+    """How vLLM seeds its block hashes: ``"PYTHONHASHSEED"``, ``"fixed"`` (vLLM's default
+    seed) or ``"random"`` (per process: no key repeats after a restart)."""
+    if os.environ.get("PYTHONHASHSEED") is not None:
+        return "PYTHONHASHSEED"
+    from vllm.v1.core import kv_cache_utils
+
+    if not hasattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED"):
+        return "random"  # vLLM before the fixed default seed drew one per process
+    return "random" if hash_algo.startswith("xxhash") else "fixed"
 
 
 class _KvtierSpec(OffloadingSpec):
@@ -115,32 +197,137 @@ class _KvtierSpec(OffloadingSpec):
             self.budget_description = "no KV bytes per block known yet"
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
+        # The connector building this spec holds what identifies the model and the KV
+        # layout; only the fs tier's fingerprint needs it.
+        configs: tuple[Any, Any] = (
+            _engine_configs() if self.settings.secondary_tiers else (None, None)
+        )
+        self._vllm_config, self._kv_cache_config = configs
 
     # -- scheduler side -------------------------------------------------------------
 
-    def _layouts(self) -> list[dict[str, Any]]:
+    def engine_identity(self, digest_cache: str | None = None) -> tuple[dict[str, Any], bool]:
+        """What the KV in an fs tier file depends on, besides the rank: the model's
+        weights and config, the block-hash scheme, the KV layout, kvtier's format.
+
+        Returns ``(identity, persistent)``; ``persistent`` is False where the weights
+        could not be identified, and the identity then holds a nonce of this engine
+        alone, so no other engine (and no later start) reads its files.
+        """
         cfg = self.config
-        return [
-            {
-                "kvtier_format": FORMAT_VERSION,
-                "model": cfg.model.name,
-                "dtype": cfg.model.dtype,
-                "worker_kv_bytes_per_block": cfg.worker_kv_bytes_per_block,
-                "sub_block_bytes": self.sub_block_bytes,
-                "blocks_per_chunk": self.blocks_per_chunk,
-                "tokens_per_block": list(self.tokens_per_block),
-                "tokens_per_hash": self.tokens_per_hash,
-                "groups": [[g.group_id, len(g.layer_names)] for g in cfg.groups],
-                "kv_cache_layout": cfg.kv_cache_layout,
-                "rank": rank,
-                "world_size": self.world_size,
-                "tp_size": cfg.parallel.tp_size,
-                "pp_size": cfg.parallel.pp_size,
-                "pcp_size": cfg.parallel.pcp_size,
-                "dcp_size": cfg.parallel.dcp_size,
-            }
-            for rank in range(self.world_size)
-        ]
+        ident: dict[str, Any] = {
+            "kvtier_format": FORMAT_VERSION,
+            "model": cfg.model.name,
+            "cache_dtype": cfg.model.dtype,
+            "worker_kv_bytes_per_block": cfg.worker_kv_bytes_per_block,
+            "sub_block_bytes": self.sub_block_bytes,
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "tokens_per_block": list(self.tokens_per_block),
+            "tokens_per_hash": self.tokens_per_hash,
+            "groups": [[g.group_id, list(g.layer_names)] for g in cfg.groups],
+            "kv_cache_layout": cfg.kv_cache_layout,
+            "replicated_layout": bool(getattr(cfg, "replicated_layout", False)),
+            "world_size": self.world_size,
+            "tp_size": cfg.parallel.tp_size,
+            "pp_size": cfg.parallel.pp_size,
+            "pcp_size": cfg.parallel.pcp_size,
+            "dcp_size": cfg.parallel.dcp_size,
+        }
+        vllm_config, kv_cache_config = self._vllm_config, self._kv_cache_config
+        model_id = self.settings.model_identity
+        unverified = ""
+        if vllm_config is None or kv_cache_config is None:
+            unverified = "vLLM's model and KV cache configs were not found"
+        else:
+            import vllm
+            from vllm.platforms import current_platform
+
+            mc, cc, lc = vllm_config.model_config, vllm_config.cache_config, vllm_config.load_config
+            hash_algo = str(cc.prefix_caching_hash_algo)
+            attention = getattr(vllm_config, "attention_config", None)
+            hf_config = mc.hf_config.to_json_string(use_diff=False)
+            spec_cfg = vllm_config.speculative_config
+            ident.update(
+                vllm_version=vllm.__version__,
+                platform=str(current_platform.device_type),
+                revision=mc.revision,
+                quantization=_plain(mc.quantization),
+                model_dtype=_plain(mc.dtype),
+                hf_config=xxhash.xxh3_128_hexdigest(hf_config.encode()),
+                hf_overrides=_plain(mc.hf_overrides) if not callable(mc.hf_overrides) else "fn",
+                load_format=_plain(lc.load_format),
+                attention_backend=_plain(getattr(attention, "backend", None)),
+                speculative=(
+                    None if spec_cfg is None else [_plain(spec_cfg.method), str(spec_cfg.model)]
+                ),
+                block_hash=[hash_algo, block_hash_seed(hash_algo)],
+                kv_cache_groups=[
+                    [list(g.layer_names), _plain(g.kv_cache_spec)]
+                    for g in kv_cache_config.kv_cache_groups
+                ],
+                kv_cache_tensors=[
+                    _tensor_placement(t, kv_cache_config.num_blocks)
+                    for t in kv_cache_config.kv_cache_tensors
+                ],
+            )
+            if ident["block_hash"][1] == "random":
+                logger.warning(
+                    "kvtier fs tier: vLLM seeds its block hashes (prefix_caching_hash_algo=%s) "
+                    "with a random value per process, so the files this engine writes are "
+                    "never found after a restart or by another engine. Set PYTHONHASHSEED to "
+                    "one value for every engine, or use prefix_caching_hash_algo=sha256",
+                    hash_algo,
+                )
+            if model_id is not None:
+                ident["weights"] = ["model_identity", model_id]
+            elif str(lc.load_format) == "dummy" or getattr(lc.load_format, "value", "") == "dummy":
+                unverified = "load_format=dummy draws new random weights at every start"
+            else:
+                models = [(mc.model, mc.revision)]
+                if spec_cfg is not None and spec_cfg.model and spec_cfg.model != mc.model:
+                    models.append((spec_cfg.model, getattr(spec_cfg, "revision", None)))
+                weights = []
+                for name, revision in models:
+                    where = resolve_model_location(
+                        name, revision=revision, download_dir=lc.download_dir
+                    )
+                    if where is None:
+                        unverified = f"the files of {name!r} were not found on this machine"
+                        break
+                    try:
+                        d = digest_model(
+                            where,
+                            cache_path=digest_cache,
+                            prefer_safetensors=str(lc.load_format) not in ("pt", "npcache"),
+                        )
+                    except (OSError, ValueError) as exc:
+                        unverified = f"the files of {name!r} could not be hashed ({exc})"
+                        break
+                    logger.info(
+                        "kvtier fs tier: weights of %s identified by %d file(s), digest %s "
+                        "(%.1f MiB hashed in %.2f s, the rest from the digest cache)",
+                        d.location,
+                        len(d.files),
+                        d.digest[:12],
+                        d.hashed_bytes / (1 << 20),
+                        d.seconds,
+                    )
+                    weights.append(d.files)
+                ident["weights"] = weights
+        if unverified and model_id is None:
+            ident["weights"] = ["unverified", secrets.token_hex(16)]
+            logger.warning(
+                "kvtier fs tier: %s, so nothing proves that files on disk were computed by "
+                "these weights. This engine writes and reads only files of its own, and "
+                "removes them at shutdown. To share files between engines and restarts, set "
+                "model_identity in kv_connector_extra_config to a name you change whenever "
+                "the weights change",
+                unverified,
+            )
+        return ident, not (unverified and model_id is None)
+
+    def _layouts(self, identity: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{**identity, "rank": rank} for rank in range(self.world_size)]
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -246,7 +433,13 @@ class TieringOffloadingSpec(_KvtierSpec):
         return regions
 
     def build_fs_tiers(self, on_regions: list[HostRegion]) -> list[FileSystemTier]:
-        layouts = self._layouts()
+        if not self.settings.secondary_tiers:
+            return []
+        # The digests of the weight files are cached beside the first tier's files.
+        digest_dir = os.path.join(self.settings.secondary_tiers[0].root_dir, FORMAT_DIR)
+        os.makedirs(digest_dir, mode=0o700, exist_ok=True)
+        identity, persistent = self.engine_identity(os.path.join(digest_dir, "weight-digests.json"))
+        layouts = self._layouts(identity)
         payload = self.chunk_bytes
         state: dict[str, list[memoryview] | None] = {"views": None}
 
@@ -272,6 +465,7 @@ class TieringOffloadingSpec(_KvtierSpec):
                         enable_events=(
                             cfg.enable_kv_events and self.kv_events_config.enable_kv_cache_events
                         ),
+                        ephemeral=not persistent,
                     )
                 )
         except Exception:

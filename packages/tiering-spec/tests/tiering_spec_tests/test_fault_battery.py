@@ -1,0 +1,280 @@
+"""Fault battery of the fs tier: every way a file on disk could put wrong KV into the
+device cache, each shown to give a miss, never a load.
+
+Item 1, never load KV from another model or layout: the fingerprint of the fs tier
+covers the contents of the weight files, the model's config and dtype, the
+block-hash scheme and the KV layout; a change of any of them moves the engine to
+another directory, so old files are neither indexed nor read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.tiering_spec import fsformat
+from kvtier.tiering_spec.identity import digest_model, model_files
+
+# ------------------------------------------------------------------ weight digests
+
+
+def make_model_dir(path: Path, weights: bytes = b"\x01" * 300_000) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "model.safetensors").write_bytes(weights)
+    (path / "config.json").write_text('{"hidden_size": 128}')
+    (path / "tokenizer.json").write_text('{"vocab": 1}')
+    return path
+
+
+def test_new_weights_of_the_same_size_and_mtime_change_the_digest(tmp_path: Path) -> None:
+    model = make_model_dir(tmp_path / "m")
+    cache = str(tmp_path / "digests.json")
+    before = digest_model(str(model), cache_path=cache)
+    weights = model / "model.safetensors"
+    st = os.stat(weights)
+    data = bytearray(weights.read_bytes())
+    data[150_000] ^= 0xFF  # one byte in the middle of the file, as a partial fine-tune
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime
+    after = digest_model(str(model), cache_path=cache)
+    assert after.digest != before.digest, "rewritten weights kept the old digest"
+    assert after.hashed_bytes == len(data), "the rewritten file was served from the cache"
+
+
+def test_unchanged_files_are_not_read_again(tmp_path: Path) -> None:
+    model = make_model_dir(tmp_path / "m")
+    cache = str(tmp_path / "digests.json")
+    first = digest_model(str(model), cache_path=cache)
+    again = digest_model(str(model), cache_path=cache)
+    assert first.hashed_bytes > 0
+    assert again.hashed_bytes == 0 and again.digest == first.digest
+
+
+def test_a_changed_config_changes_the_digest_and_tokenizer_files_do_not(tmp_path: Path) -> None:
+    model = make_model_dir(tmp_path / "m")
+    base = digest_model(str(model)).digest
+    (model / "tokenizer.json").write_text('{"vocab": 2}')
+    assert digest_model(str(model)).digest == base
+    (model / "config.json").write_text('{"hidden_size": 128, "rope_theta": 20000}')
+    assert digest_model(str(model)).digest != base
+
+
+def test_the_same_weights_in_another_folder_have_the_same_digest(tmp_path: Path) -> None:
+    a = make_model_dir(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    assert digest_model(str(a)).digest == digest_model(str(b)).digest
+
+
+def test_pickled_weights_beside_safetensors_are_not_read(tmp_path: Path) -> None:
+    model = make_model_dir(tmp_path / "m")
+    (model / "pytorch_model.bin").write_bytes(b"\x02" * 1000)
+    assert "pytorch_model.bin" not in model_files(str(model))
+    assert "pytorch_model.bin" in model_files(str(model), prefer_safetensors=False)
+
+
+def test_a_folder_without_weight_files_is_not_identified(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no weight file"):
+        digest_model(str(tmp_path / "m"))
+
+
+# ------------------------------------------------------------------ the spec's fingerprint
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private copy of the tests' tiny model: the tests below rewrite its files."""
+    pytest.importorskip("vllm")
+    testkit = pytest.importorskip("kvtier.testkit")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    src = testkit.make_tiny_llama()  # type: ignore[attr-defined]
+    dst = tmp_path_factory.mktemp("model") / "tiny"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def spec_fingerprint(
+    model: Path,
+    root: Path,
+    *,
+    engine: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    num_blocks: int = 64,
+    kv_heads: int = 2,
+    head_size: int = 64,
+    layer_major: bool = True,
+    rank: int = 0,
+) -> tuple[bytes, dict[str, Any], bool]:
+    """Build vLLM's config for ``model`` and kvtier's TieringOffloadingSpec from it, as
+    the OffloadingConnector does; return rank ``rank``'s fs fingerprint and layout."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        build_offloading_config,
+    )
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    from kvtier.testkit import kv_transfer_config
+    from kvtier.tiering_spec.vllm_adapter import TieringOffloadingSpec
+
+    settings: dict[str, Any] = {"dtype": "float32", "block_size": 32, **(engine or {})}
+    kv_extra = {
+        "cpu_bytes_to_use": 1 << 24,
+        "spec_name": "TieringOffloadingSpec",
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+        **(extra or {}),
+    }
+    args = EngineArgs(
+        model=str(model),
+        enforce_eager=True,
+        kv_transfer_config=kv_transfer_config(
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": kv_extra,
+            }
+        ),
+        **settings,
+    )
+    vllm_config = args.create_engine_config()
+    block_size = int(settings["block_size"])
+    dtype = getattr(torch, str(settings["dtype"]))
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype
+    )
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    page = spec.page_size_bytes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_blocks * len(layers),
+                layers=layers,
+                layer_stride=page * num_blocks if layer_major else page,
+                block_stride=page if layer_major else page * len(layers),
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)],
+    )
+    offloading_config = build_offloading_config(vllm_config, kv_cache_config)
+    tiering = TieringOffloadingSpec(offloading_config)
+    cache = root / fsformat.FORMAT_DIR / "weight-digests.json"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    identity, persistent = tiering.engine_identity(str(cache))
+    layout = tiering._layouts(identity)[rank]
+    return fsformat.layout_fingerprint(layout), layout, persistent
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    fp, _, persistent = spec_fingerprint(tiny_model, tmp_path_factory.mktemp("fs"))
+    assert persistent, "the tiny model's weights were not identified"
+    return fp
+
+
+def test_the_fingerprint_is_stable_across_starts_and_device_memory(
+    tiny_model: Path, tmp_path: Path, base: bytes
+) -> None:
+    # A restart gets another number of device blocks; the bytes of a block are the same.
+    fp, layout, persistent = spec_fingerprint(tiny_model, tmp_path, num_blocks=97)
+    assert persistent and fp == base, layout
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param({"engine": {"dtype": "bfloat16"}}, id="dtype"),
+        pytest.param({"engine": {"hf_overrides": {"rope_theta": 20000.0}}}, id="hf_overrides"),
+        pytest.param({"engine": {"prefix_caching_hash_algo": "sha256_cbor"}}, id="hash-algo"),
+        pytest.param({"engine": {"block_size": 64}}, id="block-size"),
+        pytest.param({"extra": {"blocks_per_chunk": 2}}, id="blocks-per-chunk"),
+        pytest.param({"extra": {"model_identity": "tiny@v2"}}, id="model-identity"),
+        pytest.param({"kv_heads": 1, "head_size": 128}, id="kv-shape"),
+        pytest.param({"layer_major": False}, id="kv-placement"),
+    ],
+)
+def test_each_change_of_model_or_layout_moves_to_another_fingerprint(
+    tiny_model: Path, tmp_path: Path, base: bytes, change: dict[str, Any]
+) -> None:
+    fp, layout, _ = spec_fingerprint(tiny_model, tmp_path, **change)
+    assert fp != base, f"{change} kept the fingerprint: {layout}"
+
+
+def test_random_block_hash_seeds_are_warned_about(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
+        _, layout, _ = spec_fingerprint(
+            tiny_model, tmp_path, engine={"prefix_caching_hash_algo": "xxhash"}
+        )
+    assert layout["block_hash"] == ["xxhash", "random"]
+    assert "PYTHONHASHSEED" in caplog.text and "never found after a restart" in caplog.text
+
+
+def test_unidentified_weights_get_a_fingerprint_of_their_own(
+    tiny_model: Path, tmp_path: Path, caplog
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
+        a, _, persistent = spec_fingerprint(tiny_model, tmp_path, engine={"load_format": "dummy"})
+        b, _, _ = spec_fingerprint(tiny_model, tmp_path, engine={"load_format": "dummy"})
+    assert not persistent and a != b
+    assert "model_identity" in caplog.text
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_model_rewritten_in_place_gets_misses_not_its_old_kv(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The reported bug: new weights at the same path, same config, old fs files.
+
+    The first engine fills the fs tier; the weights are then replaced by another
+    seed's (same shapes, same config). The second engine must index and read none of
+    the old files, and its outputs must match a reference run of the new weights."""
+    from kvtier.testkit import (
+        Workload,
+        compare_outputs,
+        kv_transfer_config,
+        make_tiny_llama,
+        run_with,
+    )
+    from kvtier.testkit.engine import kv_connector_of
+
+    from .e2e_common import ENGINE, ROOMY, offload_config, prefix_prompts
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    workload = Workload(prefix_prompts(), 8)
+    cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(tmp_path / "fs"))
+
+    def fs_stats(llm: Any) -> Any:
+        return kv_connector_of(llm).connector_scheduler.manager.core.fs_tiers[0].stats
+
+    _, first = run_with(
+        model, workload, inspect=fs_stats, kv_transfer_config=kv_transfer_config(cfg), **ENGINE
+    )
+    assert first.writes > 0
+    other = make_tiny_llama(seed=1)
+    shutil.copyfile(other / "model.safetensors", model / "model.safetensors")
+
+    reference, _ = run_with(model, workload, **ROOMY)
+    got, second = run_with(
+        model, workload, inspect=fs_stats, kv_transfer_config=kv_transfer_config(cfg), **ENGINE
+    )
+    assert second.files_indexed_at_start == 0, "the old model's files were indexed"
+    cmp = compare_outputs(reference.outputs, got.outputs)
+    assert cmp.identical, cmp.report()
+    assert second.reads > 0, "the new model's own files were not served"
