@@ -41,6 +41,7 @@ class TinyModelSpec:
         vocab: vocabulary size in tokens, specials included.
         seed: seed for weights and tokenizer training text.
         sliding_window: attention window in tokens; ``None`` for full attention (Llama).
+        kv_heads: KV heads (grouped-query attention); ``None`` for as many as ``heads``.
     """
 
     layers: int = 2
@@ -50,13 +51,17 @@ class TinyModelSpec:
     vocab: int = 512
     seed: int = 0
     sliding_window: int | None = None
+    kv_heads: int | None = None
 
     @property
     def architecture(self) -> str:
         return "mistral" if self.sliding_window else "llama"
 
     def folder_name(self) -> str:
-        blob = json.dumps({"recipe": RECIPE_VERSION, **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if fields["kv_heads"] is None:
+            del fields["kv_heads"]  # folders made before GQA keep their names
+        blob = json.dumps({"recipe": RECIPE_VERSION, **fields}, sort_keys=True)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
         sw = f"-sw{self.sliding_window}" if self.sliding_window else ""
         return f"tiny-{self.architecture}-l{self.layers}-h{self.hidden}{sw}-{digest}"
@@ -127,7 +132,7 @@ def _build(folder: Path, spec: TinyModelSpec) -> None:
         intermediate_size=spec.hidden * 2,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
-        num_key_value_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads or spec.heads,
         head_dim=spec.head_dim,
         max_position_embeddings=1024,
         bos_token_id=ids["<s>"],
@@ -159,13 +164,15 @@ def make_tiny_llama(
     vocab: int = 512,
     seed: int = 0,
     sliding_window: int | None = None,
+    kv_heads: int | None = None,
 ) -> Path:
     """Make (or reuse) a tiny random-weight model and return its folder.
 
     ``path`` is a cache root (default :func:`default_model_root`); the model lives in a
     sub-folder named after its parameters, so one root holds several variants. A
     folder already made with the same parameters is reused. The model is a Llama, or a
-    Mistral with ``sliding_window`` (tokens) set. ``vocab`` is in tokens (at least 300:
+    Mistral with ``sliding_window`` (tokens) set, with ``kv_heads`` KV heads (default
+    ``heads``; it must divide ``heads``). ``vocab`` is in tokens (at least 300:
     the byte-level alphabet plus specials); ``hidden`` and ``head_dim`` in elements.
     """
     if vocab < 300:
@@ -174,7 +181,9 @@ def make_tiny_llama(
         )
     if heads * head_dim <= 0 or layers <= 0:
         raise ValueError("layers, heads and head_dim must be positive")
-    spec = TinyModelSpec(layers, hidden, heads, head_dim, vocab, seed, sliding_window)
+    if kv_heads is not None and (kv_heads <= 0 or heads % kv_heads):
+        raise ValueError(f"kv_heads must be a positive divisor of heads={heads}, got {kv_heads}")
+    spec = TinyModelSpec(layers, hidden, heads, head_dim, vocab, seed, sliding_window, kv_heads)
     root = Path(path) if path is not None else default_model_root()
     folder = root / spec.folder_name()
     if (folder / MARKER).is_file():
