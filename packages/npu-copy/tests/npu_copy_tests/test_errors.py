@@ -183,8 +183,9 @@ def test_stream_path_failure_is_reported(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_load_of_a_failed_store_fails_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A load that reads host blocks a failed store was writing must not report success."""
-    engine, _ = _engine()
+    """A load that reads host blocks a failed store is still writing must not report
+    success (asynchronous copies: the store is in flight when the load is submitted)."""
+    engine, _ = _engine(asynchronous=True)
     with engine:
         release = threading.Event()
 

@@ -19,7 +19,7 @@ def engine() -> Iterator[TransferEngine]:
     case = make_layout("per_layer")
     layout = KVLayout.from_kv_caches(case.kv)
     host = torch.zeros((8, layout.block_bytes), dtype=torch.uint8)
-    with TransferEngine(layout, host) as eng:
+    with TransferEngine(layout, host, asynchronous=True) as eng:
         yield eng
 
 

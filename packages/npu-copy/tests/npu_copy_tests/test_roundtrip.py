@@ -15,7 +15,7 @@ NUM_HOST_BLOCKS = 10
 
 # (engine keyword arguments) for every way the CPU build moves bytes.
 ENGINES = {
-    "cpu-async": {"backend": "cpu"},
+    "cpu-async": {"backend": "cpu", "asynchronous": True},
     "cpu-sync": {"backend": "cpu", "asynchronous": False},
     "cpu-1thread": {"backend": "cpu", "cpu_threads": 1},
     "cpu-portable": {"backend": "cpu", "cpu_native": False},  # memmove per piece

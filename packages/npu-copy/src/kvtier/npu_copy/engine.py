@@ -33,10 +33,10 @@ class TransferEngine:
     ``backend`` is chosen from the KV tensors' device: ``"cpu"`` for host tensors (vLLM's
     CPU platform), ``"stream"`` for an accelerator. ``"stream"`` on CPU tensors runs the
     accelerator data path with immediate streams (for tests). ``cpu_threads`` (default
-    ``torch.get_num_threads()``), ``asynchronous`` (worker threads, default True) and
-    ``cpu_native`` (the compiled piece copier of :mod:`kvtier.npu_copy.native` when it
-    builds, default True) tune the CPU backend; ``batch_memcpy`` plugs a platform batched
-    copy into the stream backend.
+    ``torch.get_num_threads()``), ``asynchronous`` (worker threads, default False: see
+    :class:`~kvtier.npu_copy.backends.CPUBackend`) and ``cpu_native`` (the compiled piece
+    copier of :mod:`kvtier.npu_copy.native` when it builds, default True) tune the CPU
+    backend; ``batch_memcpy`` plugs a platform batched copy into the stream backend.
     """
 
     def __init__(
@@ -48,7 +48,7 @@ class TransferEngine:
         backend: str | None = None,
         cpu_threads: int | None = None,
         cpu_native: bool = True,
-        asynchronous: bool = True,
+        asynchronous: bool = False,
         batch_memcpy: BatchMemcpy | None = None,
         require_pinned: bool = True,
     ) -> None:
