@@ -281,6 +281,18 @@ def bench_recompute(session: nox.Session) -> None:
     )
 
 
+@nox.session(name="bench-e2e")
+def bench_e2e(session: nox.Session) -> None:
+    """Seconds on a realistic-shaped model: kvtier vs vLLM alone vs a null connector."""
+    install_packages(session, ["kvtier-demo"], with_vllm=True)
+    out = ROOT / "out"
+    out.mkdir(exist_ok=True)
+    session.run(
+        "python", "-m", "kvtier.demo.bench_e2e", "--json", str(out / "bench-e2e.json"),
+        *session.posargs,
+    )  # fmt: skip
+
+
 def _dump_packages() -> str:  # used by `python noxfile.py` for a quick look
     return json.dumps(
         {
