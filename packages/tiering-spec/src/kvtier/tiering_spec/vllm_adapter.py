@@ -143,6 +143,49 @@ def block_hash_seed(hash_algo: str) -> str:
     return "random" if hash_algo.startswith("xxhash") else "fixed"
 
 
+def _engine_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    """What vLLM's configs say about the KV a model computes and how it is keyed: the
+    model's config, dtype and overrides, vLLM and its attention backend, the block-hash
+    scheme (with a warning where its seed is random) and every KV cache group and tensor."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    mc = vllm_config.model_config
+    hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    seed = block_hash_seed(hash_algo)
+    if seed == "random":
+        logger.warning(
+            "kvtier fs tier: vLLM seeds its block hashes (prefix_caching_hash_algo=%s) "
+            "with a random value per process, so the files this engine writes are "
+            "never found after a restart or by another engine. Set PYTHONHASHSEED to "
+            "one value for every engine, or use prefix_caching_hash_algo=sha256",
+            hash_algo,
+        )
+    hf_config = mc.hf_config.to_json_string(use_diff=False)
+    draft = vllm_config.speculative_config
+    attention = getattr(vllm_config, "attention_config", None)
+    return {
+        "vllm_version": vllm.__version__,
+        "platform": str(current_platform.device_type),
+        "revision": mc.revision,
+        "quantization": _plain(mc.quantization),
+        "model_dtype": _plain(mc.dtype),
+        "hf_config": xxhash.xxh3_128_hexdigest(hf_config.encode()),
+        "hf_overrides": "fn" if callable(mc.hf_overrides) else _plain(mc.hf_overrides),
+        "load_format": _plain(vllm_config.load_config.load_format),
+        "attention_backend": _plain(getattr(attention, "backend", None)),
+        "speculative": None if draft is None else [_plain(draft.method), str(draft.model)],
+        "block_hash": [hash_algo, seed],
+        "kv_cache_groups": [
+            [list(g.layer_names), _plain(g.kv_cache_spec)] for g in kv_cache_config.kv_cache_groups
+        ],
+        "kv_cache_tensors": [
+            _tensor_placement(t, kv_cache_config.num_blocks)
+            for t in kv_cache_config.kv_cache_tensors
+        ],
+    }
+
+
 class _KvtierSpec(OffloadingSpec):
     """What both specs share: config validation, budget, worker."""
 
@@ -234,97 +277,59 @@ class _KvtierSpec(OffloadingSpec):
             "dcp_size": cfg.parallel.dcp_size,
         }
         vllm_config, kv_cache_config = self._vllm_config, self._kv_cache_config
-        model_id = self.settings.model_identity
-        unverified = ""
         if vllm_config is None or kv_cache_config is None:
             unverified = "vLLM's model and KV cache configs were not found"
         else:
-            import vllm
-            from vllm.platforms import current_platform
-
-            mc, cc, lc = vllm_config.model_config, vllm_config.cache_config, vllm_config.load_config
-            hash_algo = str(cc.prefix_caching_hash_algo)
-            attention = getattr(vllm_config, "attention_config", None)
-            hf_config = mc.hf_config.to_json_string(use_diff=False)
-            spec_cfg = vllm_config.speculative_config
-            ident.update(
-                vllm_version=vllm.__version__,
-                platform=str(current_platform.device_type),
-                revision=mc.revision,
-                quantization=_plain(mc.quantization),
-                model_dtype=_plain(mc.dtype),
-                hf_config=xxhash.xxh3_128_hexdigest(hf_config.encode()),
-                hf_overrides=_plain(mc.hf_overrides) if not callable(mc.hf_overrides) else "fn",
-                load_format=_plain(lc.load_format),
-                attention_backend=_plain(getattr(attention, "backend", None)),
-                speculative=(
-                    None if spec_cfg is None else [_plain(spec_cfg.method), str(spec_cfg.model)]
-                ),
-                block_hash=[hash_algo, block_hash_seed(hash_algo)],
-                kv_cache_groups=[
-                    [list(g.layer_names), _plain(g.kv_cache_spec)]
-                    for g in kv_cache_config.kv_cache_groups
-                ],
-                kv_cache_tensors=[
-                    _tensor_placement(t, kv_cache_config.num_blocks)
-                    for t in kv_cache_config.kv_cache_tensors
-                ],
-            )
-            if ident["block_hash"][1] == "random":
-                logger.warning(
-                    "kvtier fs tier: vLLM seeds its block hashes (prefix_caching_hash_algo=%s) "
-                    "with a random value per process, so the files this engine writes are "
-                    "never found after a restart or by another engine. Set PYTHONHASHSEED to "
-                    "one value for every engine, or use prefix_caching_hash_algo=sha256",
-                    hash_algo,
-                )
-            if model_id is not None:
-                ident["weights"] = ["model_identity", model_id]
-            elif str(lc.load_format) == "dummy" or getattr(lc.load_format, "value", "") == "dummy":
-                unverified = "load_format=dummy draws new random weights at every start"
-            else:
-                models = [(mc.model, mc.revision)]
-                if spec_cfg is not None and spec_cfg.model and spec_cfg.model != mc.model:
-                    models.append((spec_cfg.model, getattr(spec_cfg, "revision", None)))
-                weights = []
-                for name, revision in models:
-                    where = resolve_model_location(
-                        name, revision=revision, download_dir=lc.download_dir
-                    )
-                    if where is None:
-                        unverified = f"the files of {name!r} were not found on this machine"
-                        break
-                    try:
-                        d = digest_model(
-                            where,
-                            cache_path=digest_cache,
-                            prefer_safetensors=str(lc.load_format) not in ("pt", "npcache"),
-                        )
-                    except (OSError, ValueError) as exc:
-                        unverified = f"the files of {name!r} could not be hashed ({exc})"
-                        break
-                    logger.info(
-                        "kvtier fs tier: weights of %s identified by %d file(s), digest %s "
-                        "(%.1f MiB hashed in %.2f s, the rest from the digest cache)",
-                        d.location,
-                        len(d.files),
-                        d.digest[:12],
-                        d.hashed_bytes / (1 << 20),
-                        d.seconds,
-                    )
-                    weights.append(d.files)
-                ident["weights"] = weights
-        if unverified and model_id is None:
+            ident.update(_engine_fields(vllm_config, kv_cache_config))
+            ident["weights"], unverified = self._weights(vllm_config, digest_cache)
+        if unverified:
             ident["weights"] = ["unverified", secrets.token_hex(16)]
             logger.warning(
                 "kvtier fs tier: %s, so nothing proves that files on disk were computed by "
-                "these weights. This engine writes and reads only files of its own, and "
+                "this model. This engine writes and reads only files of its own, and "
                 "removes them at shutdown. To share files between engines and restarts, set "
                 "model_identity in kv_connector_extra_config to a name you change whenever "
                 "the weights change",
                 unverified,
             )
-        return ident, not (unverified and model_id is None)
+        return ident, not unverified
+
+    def _weights(self, vllm_config: Any, digest_cache: str | None) -> tuple[Any, str]:
+        """(what identifies the weights, "") or (None, why they cannot be identified)."""
+        if self.settings.model_identity is not None:
+            return ["model_identity", self.settings.model_identity], ""
+        mc, lc = vllm_config.model_config, vllm_config.load_config
+        load_format = str(_plain(lc.load_format))
+        if load_format == "dummy":
+            return None, "load_format=dummy draws new random weights at every start"
+        models = [(mc.model, mc.revision)]
+        draft = vllm_config.speculative_config
+        if draft is not None and draft.model and draft.model != mc.model:
+            models.append((draft.model, getattr(draft, "revision", None)))
+        weights = []
+        for name, revision in models:
+            where = resolve_model_location(name, revision=revision, download_dir=lc.download_dir)
+            if where is None:
+                return None, f"the files of {name!r} were not found on this machine"
+            try:
+                d = digest_model(
+                    where,
+                    cache_path=digest_cache,
+                    prefer_safetensors=load_format not in ("pt", "npcache"),
+                )
+            except (OSError, ValueError) as exc:
+                return None, f"the files of {name!r} could not be hashed ({exc})"
+            logger.info(
+                "kvtier fs tier: weights of %s identified by %d file(s), digest %s "
+                "(%.1f MiB hashed in %.2f s, the rest from the digest cache)",
+                d.location,
+                len(d.files),
+                d.digest[:12],
+                d.hashed_bytes / (1 << 20),
+                d.seconds,
+            )
+            weights.append(d.files)
+        return weights, ""
 
     def _layouts(self, identity: dict[str, Any]) -> list[dict[str, Any]]:
         return [{**identity, "rank": rank} for rank in range(self.world_size)]
