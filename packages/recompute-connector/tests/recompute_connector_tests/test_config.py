@@ -66,12 +66,18 @@ def test_guide_flag_in_additional_config_is_accepted() -> None:
         config(additional_config={"recompute_scheduler_enable": "yes please"})
 
 
-def test_json_style_numbers_and_booleans_are_accepted() -> None:
+def test_json_style_numbers_are_accepted() -> None:
     c = config(
-        {"cpu_bytes_to_use_per_rank": 1.7179869184e10, "enable_offload_prefix_caching": "false"}
+        {"cpu_bytes_to_use_per_rank": 1.7179869184e10, "enable_offload_prefix_caching": False}
     )
     assert c.resolve_budget(1 << 20).bytes_per_rank == 17179869184
     assert c.enable_offload_prefix_caching is False
+
+
+@pytest.mark.parametrize("value", ["false", "true", "False", 0, 1])
+def test_booleans_given_as_strings_or_numbers_are_refused(value: object) -> None:
+    with pytest.raises(ValueError, match="enable_offload_prefix_caching must be a JSON boolean"):
+        config({"cpu_bytes_to_use_per_rank": 1 << 20, "enable_offload_prefix_caching": value})
 
 
 def test_unknown_keys_are_logged_not_fatal(caplog: pytest.LogCaptureFixture) -> None:

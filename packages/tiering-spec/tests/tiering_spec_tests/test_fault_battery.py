@@ -5,6 +5,10 @@ Item 1, never load KV from another model or layout: the fingerprint of the fs ti
 covers the contents of the weight files, the model's config and dtype, the
 block-hash scheme and the KV layout; a change of any of them moves the engine to
 another directory, so old files are neither indexed nor read.
+
+Item 5, configuration: unknown keys are named in a warning; strings are refused where
+a boolean or a number is expected; thread counts are bounded; a capacity that cannot
+hold one file is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any
 import pytest
 
 from kvtier.tiering_spec import fsformat
+from kvtier.tiering_spec.config import ConfigError, FsTierConfig, parse_config
+from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, model_files
 
 # ------------------------------------------------------------------ weight digests
@@ -83,6 +89,81 @@ def test_a_folder_without_weight_files_is_not_identified(tmp_path: Path) -> None
     (tmp_path / "m" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="no weight file"):
         digest_model(str(tmp_path / "m"))
+
+
+# ------------------------------------------------------------------ item 5: configuration
+
+
+def tier_config(tmp_path: Path, **tier: object) -> dict[str, object]:
+    return {
+        "cpu_bytes_to_use": 1 << 24,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs"), **tier}],
+    }
+
+
+def test_unknown_top_level_keys_are_named_in_a_warning(tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
+        parse_config({**tier_config(tmp_path), "cpu_bytes_to_usee": 5}, tiering=True)
+    assert "cpu_bytes_to_usee" in caplog.text and "known keys" in caplog.text
+
+
+def test_known_top_level_keys_are_not_warned_about(tmp_path: Path, caplog) -> None:
+    extra = {**tier_config(tmp_path), "spec_name": "TieringOffloadingSpec", "model_identity": "m"}
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
+        parse_config(extra, tiering=True)
+    assert "unknown" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"offload_prompt_only": "false"},
+        {"canonical_layout": "false"},
+        {"self_describing_kv_events": "true"},
+    ],
+)
+def test_string_booleans_are_refused(tmp_path: Path, extra: dict[str, object]) -> None:
+    [key] = extra
+    with pytest.raises(ConfigError, match=f"{key} must be a JSON boolean"):
+        parse_config({**tier_config(tmp_path), **extra}, tiering=True)
+
+
+def test_a_string_boolean_in_a_tier_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].enable_kv_events must be"):
+        parse_config(tier_config(tmp_path, enable_kv_events="false"), tiering=True)
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["cpu_bytes_to_use", "blocks_per_chunk", "store_threshold", "max_tracker_size"],
+)
+def test_numeric_strings_are_refused(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        parse_config({**tier_config(tmp_path), key: "8"}, tiering=True)
+
+
+@pytest.mark.parametrize("key", ["n_read_threads", "n_write_threads"])
+def test_thread_counts_are_bounded(tmp_path: Path, key: str) -> None:
+    parse_config(tier_config(tmp_path, **{key: 256}), tiering=True)
+    with pytest.raises(ConfigError, match=rf"{key} must be an integer >= 1 and <= 256"):
+        parse_config(tier_config(tmp_path, **{key: 257}), tiering=True)
+    with pytest.raises(ConfigError, match=key):
+        parse_config(tier_config(tmp_path, **{key: "4"}), tiering=True)
+
+
+def test_a_capacity_smaller_than_one_file_is_refused(tmp_path: Path) -> None:
+    payload = 8192
+    entry = fsformat.HEADER_SIZE + payload
+    cfg = FsTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=entry - 1)
+    with pytest.raises(ConfigError, match=rf"capacity_bytes={entry - 1} .* at least {entry}"):
+        FileSystemTier(cfg, [{"model": "unit", "rank": 0}], payload, lambda: None)
+    ok = FileSystemTier(
+        FsTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=entry),
+        [{"model": "unit", "rank": 0}],
+        payload,
+        lambda: None,
+    )
+    ok.shutdown()
 
 
 # ------------------------------------------------------------------ the spec's fingerprint

@@ -33,11 +33,13 @@ SUPPORTED_ROLES = ("kv_consumer", "kv_both")
 
 
 def _require_bool(key: str, value: Any) -> bool:
+    # A string is refused even when it reads "false": bool("false") is True elsewhere.
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise ValueError(f"{key} must be true or false, got {value!r} ({type(value).__name__})")
+    raise ValueError(
+        f"{key} must be a JSON boolean, true or false (not a string), "
+        f"got {value!r} ({type(value).__name__})"
+    )
 
 
 @dataclass(frozen=True)

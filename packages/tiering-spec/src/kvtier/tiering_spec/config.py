@@ -7,18 +7,43 @@ when the spec is built, at engine start-up, never later.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.blockpool import PER_RANK_KEY, TOTAL_KEY
+from kvtier.blockpool import PER_RANK_KEY, TOTAL_KEY, require_positive_int
+
+logger = logging.getLogger("kvtier.tiering_spec")
 
 EVICTION_POLICIES = ("lru", "arc")
 TIER_TYPES = ("fs",)
 DEFAULT_IO_THREADS = 16  # vLLM's fs tier default, so a copied configuration behaves alike
 DEFAULT_MAX_TRACKER_SIZE = 64_000
+MAX_IO_THREADS = 256
+# Top-level keys of kv_connector_extra_config that kvtier's specs or vLLM's
+# OffloadingConnector read; any other is warned about by name.
+KNOWN_KEYS = frozenset(
+    {
+        PER_RANK_KEY,
+        TOTAL_KEY,
+        "blocks_per_chunk",
+        "block_size",
+        "eviction_policy",
+        "cache_policy_module_path",
+        "store_threshold",
+        "max_tracker_size",
+        "secondary_tiers",
+        "model_identity",
+        "spec_name",
+        "spec_module_path",
+        "offload_prompt_only",
+        "canonical_layout",
+        "self_describing_kv_events",
+    }
+)
 _FS_KEYS = (
     "type",
     "root_dir",
@@ -38,23 +63,27 @@ class ConfigError(ValueError):
     """A bad ``kv_connector_extra_config`` value; the message names the key."""
 
 
-def _int(key: str, value: Any, *, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``; integral floats (``8e9``) are accepted."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(
-            f"{key} must be an integer >= {minimum}, got {value!r} ({type(value).__name__})"
-        )
+def _int(key: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as an int in ``[minimum, maximum]``; integral floats (``8e9``) are
+    accepted, strings are not (as in the recompute connector)."""
     try:
-        number = float(value) if isinstance(value, str) else value
-    except ValueError:
-        raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}") from None
-    if isinstance(number, float):
-        if not number.is_integer():
-            raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
-        number = int(number)
-    if number < minimum:
-        raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
-    return int(number)
+        number = require_positive_int(key, value, allow_zero=minimum <= 0)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if number < minimum or (maximum is not None and number > maximum):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise ConfigError(f"{key} must be an integer >= {minimum}{upper}, got {value!r}")
+    return number
+
+
+def _bool(key: str, value: Any) -> bool:
+    # A string is refused even when it reads "false": bool("false") is True.
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(
+        f"{key} must be a JSON boolean, true or false (not a string), "
+        f"got {value!r} ({type(value).__name__})"
+    )
 
 
 @dataclass(frozen=True)
@@ -117,6 +146,17 @@ def parse_config(
     if not isinstance(extra, Mapping):
         raise ConfigError(f"kv_connector_extra_config must be a dict, got {type(extra).__name__}")
     spec = "TieringOffloadingSpec" if tiering else "CPUOffloadingSpec"
+    unknown = sorted(str(k) for k in extra if k not in KNOWN_KEYS)
+    if unknown:
+        logger.warning(
+            "kvtier %s ignores unknown kv_connector_extra_config key(s) %s; known keys: %s",
+            spec,
+            unknown,
+            ", ".join(sorted(KNOWN_KEYS)),
+        )
+    for key in ("offload_prompt_only", "self_describing_kv_events"):
+        if key in extra:
+            _bool(key, extra[key])  # vLLM reads these with bool(): "false" would be true
     budget: dict[str, int] = {}
     if extra.get(PER_RANK_KEY) is not None:
         budget[PER_RANK_KEY] = _int(PER_RANK_KEY, extra[PER_RANK_KEY], minimum=1)
@@ -160,7 +200,7 @@ def parse_config(
     max_tracker_size = _int(
         "max_tracker_size", extra.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE), minimum=1
     )
-    if extra.get("canonical_layout"):
+    if _bool("canonical_layout", extra.get("canonical_layout", False)):
         raise ConfigError(
             "canonical_layout is not supported by kvtier's offloading specs; remove it "
             "(allowed: false)"
@@ -235,15 +275,21 @@ def parse_fs_tier(raw: Any, where: str, *, check_paths: bool = True) -> FsTierCo
     cfg = FsTierConfig(
         root_dir=root,
         n_read_threads=_int(
-            f"{where}.n_read_threads", raw.get("n_read_threads", DEFAULT_IO_THREADS), minimum=1
+            f"{where}.n_read_threads",
+            raw.get("n_read_threads", DEFAULT_IO_THREADS),
+            minimum=1,
+            maximum=MAX_IO_THREADS,
         ),
         n_write_threads=_int(
-            f"{where}.n_write_threads", raw.get("n_write_threads", DEFAULT_IO_THREADS), minimum=1
+            f"{where}.n_write_threads",
+            raw.get("n_write_threads", DEFAULT_IO_THREADS),
+            minimum=1,
+            maximum=MAX_IO_THREADS,
         ),
         capacity_bytes=(
             _int(f"{where}.capacity_bytes", capacity, minimum=1) if capacity is not None else None
         ),
-        enable_kv_events=bool(raw.get("enable_kv_events", True)),
+        enable_kv_events=_bool(f"{where}.enable_kv_events", raw.get("enable_kv_events", True)),
         locality=locality,
     )
     if check_paths:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.tiering_spec import fsformat
-from kvtier.tiering_spec.config import FsTierConfig
+from kvtier.tiering_spec.config import ConfigError, FsTierConfig
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -161,6 +161,13 @@ class FileSystemTier:
         self.world_size = len(layouts)
         self.entry_bytes = self.file_bytes * self.world_size
         self.capacity_bytes = cfg.capacity_bytes
+        if self.capacity_bytes is not None and self.capacity_bytes < self.entry_bytes:
+            raise ConfigError(
+                f"capacity_bytes={self.capacity_bytes} of fs tier {name!r} cannot hold one "
+                f"entry: {self.entry_bytes} bytes ({self.world_size} rank file(s) of a "
+                f"{fsformat.HEADER_SIZE}-byte header plus a {payload_bytes}-byte chunk); "
+                f"allowed: at least {self.entry_bytes}"
+            )
         self._region_views = region_views
         self._views: Sequence[memoryview] | None = None
         self.fingerprints = [fsformat.layout_fingerprint(layout) for layout in layouts]
