@@ -6,6 +6,10 @@ covers the contents of the weight files, the model's config and dtype, the
 block-hash scheme and the KV layout; a change of any of them moves the engine to
 another directory, so old files are neither indexed nor read.
 
+Item 3, trust nothing on disk: directories that are links, another user's, or
+writable by group or others are refused at start; block files are opened without
+following links, so a link planted under a block's name is never read.
+
 Item 5, configuration: unknown keys are named in a warning; strings are refused where
 a boolean or a number is expected; thread counts are bounded; a capacity that cannot
 hold one file is refused.
@@ -25,6 +29,8 @@ from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig, parse_config
 from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, model_files
+
+from .conftest import wait_results
 
 # ------------------------------------------------------------------ weight digests
 
@@ -164,6 +170,81 @@ def test_a_capacity_smaller_than_one_file_is_refused(tmp_path: Path) -> None:
         lambda: None,
     )
     ok.shutdown()
+
+
+# ------------------------------------------------------------------ item 3: trust nothing on disk
+
+
+def make_fs_tier(root: Path, payload: int = 8192, views: Any = lambda: None) -> FileSystemTier:
+    cfg = FsTierConfig(root_dir=str(root), n_read_threads=1, n_write_threads=1)
+    return FileSystemTier(cfg, [{"model": "unit", "rank": 0}], payload, views)
+
+
+def test_a_root_dir_writable_by_others_is_refused_with_the_fix(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    root.mkdir()
+    root.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"writable by group or others .* chmod go-w"):
+        parse_config(tier_config(tmp_path), tiering=True)
+    with pytest.raises(ConfigError, match="chmod go-w"):
+        make_fs_tier(root)
+
+
+def test_a_root_dir_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "fs").symlink_to(real)
+    with pytest.raises(ConfigError, match="is a symlink"):
+        make_fs_tier(tmp_path / "fs")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
+def test_a_root_dir_of_another_user_is_refused_with_the_fix(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    root.mkdir(mode=0o700)
+    os.chown(root, 12345, 12345)
+    with pytest.raises(ConfigError, match=r"belongs to uid 12345.*chown"):
+        parse_config(tier_config(tmp_path), tiering=True)
+
+
+def test_a_shard_directory_swapped_for_a_link_is_refused_at_start(tmp_path: Path) -> None:
+    first = make_fs_tier(tmp_path / "fs")
+    shard = Path(first.dirs[0]) / "a"
+    first.shutdown()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    shard.rmdir()
+    shard.symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="is a symlink"):
+        make_fs_tier(tmp_path / "fs")
+
+
+def test_a_link_under_a_block_name_is_neither_indexed_nor_read(tmp_path: Path) -> None:
+    import mmap
+
+    from kvtier.tiering_spec.fsformat import key_digest
+
+    payload = 8192
+    region = mmap.mmap(-1, 2 * payload)
+    views = lambda: [memoryview(region)]  # noqa: E731
+    tier = make_fs_tier(tmp_path / "fs", payload, views)
+    region[:payload] = b"\x07" * payload
+    assert tier.submit_write(b"k", key_digest(b"k"), 0)
+    wait_results(tier)
+    [good] = tier.paths(key_digest(b"k"))
+    [planted] = tier.paths(key_digest(b"other"))
+    os.symlink(good, planted)  # a valid file of this tier, reached through a link
+    tier.shutdown()
+    again = make_fs_tier(tmp_path / "fs", payload, views)
+    assert again.stats.files_indexed_at_start == 1, "the link was indexed"
+    assert not again.contains(key_digest(b"other"))
+    # Even a read of that path with the target's own key refuses to follow the link.
+    with pytest.raises(OSError):
+        again._read_file(
+            planted, again.fingerprints[0], key_digest(b"k"), memoryview(region)[payload:]
+        )
+    assert bytes(region[payload:]) == bytes(payload)
+    again.shutdown()
 
 
 # ------------------------------------------------------------------ the spec's fingerprint

@@ -25,8 +25,10 @@ from kvtier.blockpool.pool import (
 )
 from kvtier.blockpool.region import (
     HostRegion,
+    InsufficientHostMemoryError,
     InsufficientSharedMemoryError,
     cleanup_stale_regions,
+    mem_available_bytes,
     shm_free_bytes,
 )
 
@@ -40,6 +42,7 @@ __all__ = [
     "HostBlockPool",
     "HostBudget",
     "HostRegion",
+    "InsufficientHostMemoryError",
     "InsufficientSharedMemoryError",
     "LRUPolicy",
     "PoolStats",
@@ -49,6 +52,7 @@ __all__ = [
     "__version__",
     "cleanup_stale_regions",
     "make_policy",
+    "mem_available_bytes",
     "require_positive_int",
     "resolve_budget",
     "resolve_bytes_per_rank",

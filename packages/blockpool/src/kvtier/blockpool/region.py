@@ -18,6 +18,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import time
 import weakref
 from collections.abc import Sequence
@@ -46,6 +47,45 @@ def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
     return st.f_bavail * st.f_frsize
 
 
+class InsufficientHostMemoryError(MemoryError):
+    """The machine has less available memory than a private region needs."""
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, or None where it cannot be read."""
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _open_region_file(path: str, flags: int) -> int:
+    """Open a region file without following a link or blocking on a FIFO, and refuse
+    anything but a regular file of this process's user."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(
+                f"{path} is not a regular file; a shared host region is one. Remove it "
+                f"(rm {path}) and start again"
+            )
+        if st.st_uid != os.geteuid():
+            raise PermissionError(
+                f"{path} belongs to uid {st.st_uid}, not to this process's user "
+                f"(uid {os.geteuid()}); kvtier maps only its own regions. Remove it as its "
+                "owner, or run every process of the engine as one user"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _is_locked(fd: int) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -69,11 +109,11 @@ def cleanup_stale_regions(shm_dir: str = SHM_DIR) -> list[str]:
             continue
         path = os.path.join(shm_dir, name)
         try:
-            if _TMP_MARK in name and now - os.stat(path).st_mtime < _CREATE_GRACE_S:
+            if _TMP_MARK in name and now - os.lstat(path).st_mtime < _CREATE_GRACE_S:
                 continue
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
+            fd = _open_region_file(path, os.O_RDONLY)
+        except (OSError, ValueError):
+            continue  # not ours or not a region: never unlinked here
         try:
             if not _is_locked(fd):
                 os.unlink(path)
@@ -85,6 +125,20 @@ def cleanup_stale_regions(shm_dir: str = SHM_DIR) -> list[str]:
     for path in removed:
         logger.warning("kvtier: removed stale shared host region %s left by a dead process", path)
     return removed
+
+
+def cleanup_main(argv: list[str] | None = None) -> int:
+    """``kvtier-cleanup-regions [SHM_DIR]``: remove the shared host regions that no live
+    process maps (left by killed engines); print each one removed."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    shm_dir = args[0] if args else SHM_DIR
+    removed = cleanup_stale_regions(shm_dir)
+    for path in removed:
+        print(f"removed {path}")
+    print(f"{len(removed)} stale kvtier region(s) removed from {shm_dir}")
+    return 0
 
 
 def _pin_description() -> str:
@@ -174,6 +228,14 @@ class HostRegion:
     def private(cls, num_blocks: int, block_bytes: int, *, pin: bool = True) -> HostRegion:
         """A region private to this process, page-locked when an accelerator exists."""
         size = cls._sizes(num_blocks, block_bytes)
+        available = mem_available_bytes()
+        if available is not None and size > available:
+            raise InsufficientHostMemoryError(
+                f"a private host region of {size} bytes ({num_blocks} blocks x {block_bytes} "
+                f"bytes) is more than this machine's available memory ({available} bytes, "
+                "MemAvailable in /proc/meminfo); lower cpu_bytes_to_use or "
+                "cpu_bytes_to_use_per_rank"
+            )
         accel = _pin_description()
         if pin and accel != "none":
             try:
@@ -217,13 +279,15 @@ class HostRegion:
         size = cls._sizes(num_blocks, block_bytes)
         path = cls._path(name, shm_dir)
         cleanup_stale_regions(shm_dir)
-        if os.path.exists(path):
+        if os.path.lexists(path):
+            # Refuses a link, a FIFO or another user's file by name; else it is live.
+            os.close(_open_region_file(path, os.O_RDONLY))
             raise FileExistsError(f"shared host region {path} is in use by a live process")
         free = shm_free_bytes(shm_dir)
         if size > free:
             raise InsufficientSharedMemoryError(_shm_message(size, free, shm_dir))
         tmp = f"{path}{_TMP_MARK}{os.getpid()}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             try:
@@ -266,7 +330,7 @@ class HostRegion:
         """Map the shared region ``name`` that another process created."""
         size = cls._sizes(num_blocks, block_bytes)
         path = cls._path(name, shm_dir)
-        fd = os.open(path, os.O_RDWR)
+        fd = _open_region_file(path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             actual = os.fstat(fd).st_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -297,14 +298,40 @@ def parse_fs_tier(raw: Any, where: str, *, check_paths: bool = True) -> FsTierCo
     return cfg
 
 
+def check_private_directory(path: str, key: str) -> None:
+    """Refuse ``path`` unless it is a real directory (no symlink) of this process's user
+    that neither group nor others can write: files there are loaded into the KV cache."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(
+            f"{key}: {path!r} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}; "
+            "kvtier follows no links for its files: point root_dir at the real directory"
+        )
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise ConfigError(
+            f"{key}: directory {path!r} belongs to uid {st.st_uid}, not to this engine's user "
+            f"(uid {uid}); another user could plant KV there. Fix: chown {uid} {path!r}, or "
+            "choose a root_dir of this user"
+        )
+    if st.st_mode & 0o022:
+        raise ConfigError(
+            f"{key}: directory {path!r} is writable by group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):o}); another user could plant KV there. Fix: "
+            f"chmod go-w {path!r}"
+        )
+
+
 def check_directory(path: str, key: str) -> None:
-    """Create ``path`` (mode 0700) if missing and check it is a writable directory."""
+    """Create ``path`` (mode 0700) if missing and check it is a writable directory of
+    this user (see :func:`check_private_directory`)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key}={path!r} exists and is not a directory")
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"{key}={path!r} cannot be created: {exc.strerror or exc}") from None
+    check_private_directory(path, key)
     try:
         fd, probe = tempfile.mkstemp(prefix=".kvtier-probe-", dir=path)
     except OSError as exc:

@@ -30,6 +30,7 @@ import mmap
 import os
 import queue
 import shutil
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.tiering_spec import fsformat
-from kvtier.tiering_spec.config import ConfigError, FsTierConfig
+from kvtier.tiering_spec.config import ConfigError, FsTierConfig, check_private_directory
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -122,6 +123,18 @@ def probe_o_direct(directory: str) -> bool:
             pass
 
 
+def _is_block_file(st: os.stat_result, file_bytes: int) -> bool:
+    """A regular file (no symlink, no FIFO) of exactly a block file's size."""
+    return stat.S_ISREG(st.st_mode) and st.st_size == file_bytes
+
+
+def _private_dir(path: str) -> None:
+    """Make ``path`` (0700) if missing; refuse it unless it is this user's own real
+    directory that group and others cannot write."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    check_private_directory(path, "fs tier directory")
+
+
 class FileSystemTier:
     """One fs tier for one engine: an index of the files it may read, and its I/O threads.
 
@@ -172,14 +185,14 @@ class FileSystemTier:
         self._views: Sequence[memoryview] | None = None
         self.fingerprints = [fsformat.layout_fingerprint(layout) for layout in layouts]
         base = os.path.join(cfg.root_dir, fsformat.FORMAT_DIR)
-        os.makedirs(cfg.root_dir, mode=0o700, exist_ok=True)
-        os.makedirs(base, mode=0o700, exist_ok=True)
         self.dirs: list[str] = []
+        for d in (cfg.root_dir, base):
+            _private_dir(d)
         for fp, layout in zip(self.fingerprints, layouts):
             d = os.path.join(base, fp.hex())
-            os.makedirs(d, mode=0o700, exist_ok=True)
+            _private_dir(d)
             for shard in range(fsformat.NUM_SHARDS):
-                os.makedirs(os.path.join(d, f"{shard:x}"), mode=0o700, exist_ok=True)
+                _private_dir(os.path.join(d, f"{shard:x}"))
             desc = os.path.join(d, "layout.json")
             if not os.path.exists(desc):
                 self._write_small_file(desc, json.dumps(dict(layout), indent=2, sort_keys=True))
@@ -237,7 +250,7 @@ class FileSystemTier:
     @staticmethod
     def _write_small_file(path: str, text: str) -> None:
         tmp = f"{path}{fsformat.TMP_PREFIX}{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             os.write(fd, text.encode())
         finally:
@@ -269,10 +282,10 @@ class FileSystemTier:
                         if digest is None:
                             continue
                         try:
-                            st = entry.stat()
+                            st = entry.stat(follow_symlinks=False)
                         except OSError:
                             continue
-                        if st.st_size == self.file_bytes:
+                        if _is_block_file(st, self.file_bytes):
                             found[digest] = st.st_mtime
             per_rank.append(found)
         common = set(per_rank[0])
@@ -310,7 +323,7 @@ class FileSystemTier:
             return False
         paths = self.paths(digest)
         try:
-            if not all(os.stat(p).st_size == self.file_bytes for p in paths):
+            if not all(_is_block_file(os.lstat(p), self.file_bytes) for p in paths):
                 return False
         except OSError:
             return False
@@ -622,7 +635,7 @@ class FileSystemTier:
             fingerprint, digest, self.payload_bytes, crc
         )
         tmp = self._tmp_name(os.path.dirname(path))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
         fd = os.open(tmp, flags, 0o600)
         try:
             try:
@@ -684,8 +697,9 @@ class FileSystemTier:
         hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
         # A file longer than a block file reads into one page of slack.
         tail = self._thread_buffer("tail", fsformat.ALIGNMENT)
-        # O_NONBLOCK: a FIFO planted under that name fails the read instead of hanging.
-        flags = os.O_RDONLY | os.O_NONBLOCK | (O_DIRECT if direct else 0)
+        # O_NONBLOCK: a FIFO planted under that name fails the read instead of hanging;
+        # O_NOFOLLOW: a symlink planted there fails it instead of reading its target.
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
         fd = os.open(path, flags)
         try:
             want = self.file_bytes
