@@ -40,6 +40,20 @@ def require_positive_int(key: str, value: Any, *, allow_zero: bool = False) -> i
     return int(value)
 
 
+def require_bool(key: str, value: Any) -> bool:
+    """Return ``value`` if it is a bool, else raise a ``ValueError`` that names ``key``.
+
+    A string is refused even when it reads "false": ``bool("false")`` is True, so a
+    configuration that quotes its booleans would silently mean the opposite.
+    """
+    if isinstance(value, bool):
+        return value
+    raise ValueError(
+        f"{key} must be a JSON boolean, true or false (not a string), "
+        f"got {value!r} ({type(value).__name__})"
+    )
+
+
 def round_up(value: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``value``."""
     return -(-value // multiple) * multiple

@@ -12,7 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.blockpool import PER_RANK_KEY, TOTAL_KEY, HostBudget, require_positive_int
+from kvtier.blockpool import (
+    PER_RANK_KEY,
+    TOTAL_KEY,
+    HostBudget,
+    require_bool,
+    require_positive_int,
+)
 from kvtier.blockpool import resolve_budget as _resolve_budget
 
 logger = logging.getLogger("kvtier.recompute_connector")
@@ -30,16 +36,6 @@ KNOWN_KEYS = frozenset(
     {PER_RANK_KEY, TOTAL_KEY, PREFIX_CACHING_KEY, CORRUPT_KEY, FAIL_STORES_KEY, FAIL_LOADS_KEY}
 )
 SUPPORTED_ROLES = ("kv_consumer", "kv_both")
-
-
-def _require_bool(key: str, value: Any) -> bool:
-    # A string is refused even when it reads "false": bool("false") is True elsewhere.
-    if isinstance(value, bool):
-        return value
-    raise ValueError(
-        f"{key} must be a JSON boolean, true or false (not a string), "
-        f"got {value!r} ({type(value).__name__})"
-    )
 
 
 @dataclass(frozen=True)
@@ -103,13 +99,13 @@ class RecomputeOffloadConfig:
             extra=extra,
             world_size=world_size,
             kv_role=kv_role,
-            enable_offload_prefix_caching=_require_bool(
+            enable_offload_prefix_caching=require_bool(
                 PREFIX_CACHING_KEY, extra.get(PREFIX_CACHING_KEY, False)
             ),
-            scheduler_flag=_require_bool(SCHEDULER_FLAG_KEY, flag),
-            corrupt_restores=_require_bool(CORRUPT_KEY, extra.get(CORRUPT_KEY, False)),
-            fail_stores=_require_bool(FAIL_STORES_KEY, extra.get(FAIL_STORES_KEY, False)),
-            fail_loads=_require_bool(FAIL_LOADS_KEY, extra.get(FAIL_LOADS_KEY, False)),
+            scheduler_flag=require_bool(SCHEDULER_FLAG_KEY, flag),
+            corrupt_restores=require_bool(CORRUPT_KEY, extra.get(CORRUPT_KEY, False)),
+            fail_stores=require_bool(FAIL_STORES_KEY, extra.get(FAIL_STORES_KEY, False)),
+            fail_loads=require_bool(FAIL_LOADS_KEY, extra.get(FAIL_LOADS_KEY, False)),
         )
 
     def resolve_budget(self, bytes_per_block: int) -> HostBudget:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.blockpool import PER_RANK_KEY, TOTAL_KEY, require_positive_int
+from kvtier.blockpool import PER_RANK_KEY, TOTAL_KEY, require_bool, require_positive_int
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -78,13 +78,10 @@ def _int(key: str, value: Any, *, minimum: int, maximum: int | None = None) -> i
 
 
 def _bool(key: str, value: Any) -> bool:
-    # A string is refused even when it reads "false": bool("false") is True.
-    if isinstance(value, bool):
-        return value
-    raise ConfigError(
-        f"{key} must be a JSON boolean, true or false (not a string), "
-        f"got {value!r} ({type(value).__name__})"
-    )
+    try:
+        return require_bool(key, value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -320,6 +317,12 @@ def check_private_directory(path: str, key: str) -> None:
             f"{stat.S_IMODE(st.st_mode):o}); another user could plant KV there. Fix: "
             f"chmod go-w {path!r}"
         )
+
+
+def make_private_directory(path: str, key: str) -> None:
+    """Create ``path`` (mode 0700) if missing, then :func:`check_private_directory`."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    check_private_directory(path, key)
 
 
 def check_directory(path: str, key: str) -> None:

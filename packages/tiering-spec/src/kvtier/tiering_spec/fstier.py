@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.tiering_spec import fsformat
-from kvtier.tiering_spec.config import ConfigError, FsTierConfig, check_private_directory
+from kvtier.tiering_spec.config import ConfigError, FsTierConfig, make_private_directory
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -128,13 +128,6 @@ def _is_block_file(st: os.stat_result, file_bytes: int) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_size == file_bytes
 
 
-def _private_dir(path: str) -> None:
-    """Make ``path`` (0700) if missing; refuse it unless it is this user's own real
-    directory that group and others cannot write."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    check_private_directory(path, "fs tier directory")
-
-
 class FileSystemTier:
     """One fs tier for one engine: an index of the files it may read, and its I/O threads.
 
@@ -187,12 +180,12 @@ class FileSystemTier:
         base = os.path.join(cfg.root_dir, fsformat.FORMAT_DIR)
         self.dirs: list[str] = []
         for d in (cfg.root_dir, base):
-            _private_dir(d)
+            make_private_directory(d, "fs tier directory")
         for fp, layout in zip(self.fingerprints, layouts):
             d = os.path.join(base, fp.hex())
-            _private_dir(d)
+            make_private_directory(d, "fs tier directory")
             for shard in range(fsformat.NUM_SHARDS):
-                _private_dir(os.path.join(d, f"{shard:x}"))
+                make_private_directory(os.path.join(d, f"{shard:x}"), "fs tier directory")
             desc = os.path.join(d, "layout.json")
             if not os.path.exists(desc):
                 self._write_small_file(desc, json.dumps(dict(layout), indent=2, sort_keys=True))

@@ -51,7 +51,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.blockpool import HostBlockPool, HostRegion, resolve_budget, round_up
 from kvtier.tiering_spec import metrics as m
-from kvtier.tiering_spec.config import ConfigError, OffloadConfig, parse_config
+from kvtier.tiering_spec.config import (
+    ConfigError,
+    OffloadConfig,
+    make_private_directory,
+    parse_config,
+)
 from kvtier.tiering_spec.fsformat import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
@@ -442,7 +447,7 @@ class TieringOffloadingSpec(_KvtierSpec):
             return []
         # The digests of the weight files are cached beside the first tier's files.
         digest_dir = os.path.join(self.settings.secondary_tiers[0].root_dir, FORMAT_DIR)
-        os.makedirs(digest_dir, mode=0o700, exist_ok=True)
+        make_private_directory(digest_dir, "fs tier directory")
         identity, persistent = self.engine_identity(os.path.join(digest_dir, "weight-digests.json"))
         layouts = self._layouts(identity)
         payload = self.chunk_bytes
