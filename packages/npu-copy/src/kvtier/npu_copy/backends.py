@@ -426,13 +426,16 @@ class ImmediateStreamOps:
         return contextlib.nullcontext()
 
 
-BatchMemcpy = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], Any], None]
+BatchMemcpy = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], Any, bool], None]
 """Extension point for a platform batched copy (CUDA ``cudaMemcpyBatchAsync``, ACL
-``aclrtMemcpyBatchAsync``): ``(dsts, srcs, stream)`` enqueues ``dst.copy_(src)`` for every
-pair (contiguous, equal byte sizes, one side pinned host memory) on ``stream``."""
+``aclrtMemcpyBatchAsync``): ``(dsts, srcs, stream, to_host)`` enqueues ``dst.copy_(src)``
+for every pair (contiguous, equal byte sizes, one side pinned host memory) on ``stream``;
+``to_host`` is True when the destinations are the host blocks (a store)."""
 
 
-def copy_each(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], stream: Any) -> None:
+def copy_each(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], stream: Any, to_host: bool
+) -> None:
     """The portable path: one asynchronous ``copy_`` per pair on the current stream."""
     for dst, src in zip(dsts, srcs):
         dst.copy_(src, non_blocking=True)
@@ -484,7 +487,7 @@ class StreamBackend:
             stage_rows = staging[pos : pos + length]
             dsts.append(host_rows if to_host else stage_rows)
             srcs.append(stage_rows if to_host else host_rows)
-        self.dma(dsts, srcs, self.ops.current_stream())
+        self.dma(dsts, srcs, self.ops.current_stream(), to_host)
 
     def _staging(self, n: int) -> torch.Tensor:
         return torch.empty((n, self.host_blocks.shape[1]), dtype=torch.uint8, device=self.device)
