@@ -22,14 +22,6 @@ def test_entry_point_is_declared_for_vllm_general_plugins() -> None:
     assert [ep.value for ep in eps] == ["kvtier.recompute_connector.plugin:register"]
 
 
-@pytest.mark.parametrize(
-    ("text", "parsed"),
-    [("0.32.0", (0, 32)), ("0.32.0+cpu", (0, 32)), ("1.0", (1, 0)), ("dev", None), ("", None)],
-)
-def test_version_parsing(text: str, parsed) -> None:
-    assert plugin.parse_version(text) == parsed
-
-
 @requires_vllm
 def test_register_twice_is_fine_and_the_factory_knows_the_connector() -> None:
     code = (
@@ -51,14 +43,95 @@ def test_unsupported_vllm_is_one_log_line_and_no_registration(
     fake = types.ModuleType("vllm")
     fake.__version__ = "0.8.5"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setitem(plugin._state, "registered", False)
     with caplog.at_level(logging.WARNING):
         assert plugin.register() is False
-    lines = [r for r in caplog.records if "not supported" in r.getMessage()]
-    assert len(lines) == 1 and "0.8.5" in lines[0].getMessage()
+    lines = [r.getMessage() for r in caplog.records if "0.8.5" in r.getMessage()]
+    assert len(lines) == 1 and ">=0.32" in lines[0], lines
 
 
 def test_broken_vllm_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
-    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setitem(plugin._state, "registered", False)
     assert plugin.register() is False
+
+
+# ------------------------------------------------------------------ beside vllm-ascend
+
+COEXIST = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from recompute_connector_tests import ascend_standin
+from kvtier.recompute_connector import plugin
+order = {order!r}
+for name in order.split(","):
+    (plugin.register if name == "kvtier" else ascend_standin.register)()
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as F
+for name in ("RecomputeCPUOffloadConnector", "KvtierRecomputeCPUOffloadConnector",
+             "MultiConnector", "MooncakeConnectorV1"):
+    print(name, F.get_connector_class_by_name(name).__module__)
+"""
+
+
+def coexist(order: str, **env: str) -> tuple[dict[str, str], str]:
+    import os
+    from pathlib import Path
+
+    tests_root = str(Path(__file__).resolve().parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", COEXIST.format(order=order)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": tests_root, **env},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # vLLM's logging setup may print log lines to stdout as well.
+    rows = [line.split() for line in result.stdout.splitlines()]
+    classes = {r[0]: r[1] for r in rows if len(r) == 2 and "Connector" in r[0]}
+    return classes, result.stdout + result.stderr
+
+
+@requires_vllm
+@pytest.mark.parametrize("order", ["kvtier,ascend", "ascend,kvtier"])
+def test_beside_vllm_ascend_kvtier_gets_the_guides_name_in_either_order(order: str) -> None:
+    classes, log = coexist(order)
+    assert classes["RecomputeCPUOffloadConnector"] == "kvtier.recompute_connector.connector"
+    assert classes["KvtierRecomputeCPUOffloadConnector"] == "kvtier.recompute_connector.connector"
+    # vllm-ascend's other registrations are untouched.
+    assert classes["MultiConnector"].endswith("ascend_standin")
+    assert classes["MooncakeConnectorV1"].endswith("ascend_standin")
+    said = [
+        line
+        for line in log.splitlines()
+        if "kvtier:" in line and "RecomputeCPUOffloadConnector" in line
+    ]
+    assert len(said) == 1, said  # the outcome is logged once
+    assert "KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR" in said[0]
+
+
+@requires_vllm
+@pytest.mark.parametrize("order", ["kvtier,ascend", "ascend,kvtier"])
+def test_switch_off_leaves_the_guides_name_to_vllm_ascend(order: str) -> None:
+    classes, _ = coexist(order, KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR="0")
+    assert classes["RecomputeCPUOffloadConnector"].endswith("ascend_standin")
+    assert classes["KvtierRecomputeCPUOffloadConnector"] == "kvtier.recompute_connector.connector"
+
+
+@requires_vllm
+def test_a_child_of_a_multi_connector_subclass_knows_its_parent() -> None:
+    from kvtier.recompute_connector.connector import parent_multi_connector
+
+    from .ascend_standin import AscendMultiConnector
+
+    class Child:
+        def __init__(self) -> None:
+            self.parent = parent_multi_connector()
+
+    class Parent(AscendMultiConnector):
+        def __init__(self) -> None:  # builds its child as MultiConnector.__init__ does
+            self.child = Child()
+
+    parent = Parent()
+    assert parent.child.parent is parent
+    assert Child().parent is None, "standalone: no parent"

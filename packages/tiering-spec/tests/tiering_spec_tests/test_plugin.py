@@ -52,12 +52,6 @@ def test_upstream_names_are_overridden_only_where_vllms_cannot_run(
     assert plugin.should_override(platform, env) is expected
 
 
-def test_version_parsing() -> None:
-    assert plugin.parse_version("0.32.0") == (0, 32)
-    assert plugin.parse_version("0.32.1rc1.dev3+cpu") == (0, 32)
-    assert plugin.parse_version("dev") is None
-
-
 def run_py(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     import os
 

@@ -37,6 +37,7 @@ The scheduler/worker protocol, and why it is correct under vLLM's step order:
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -268,6 +269,30 @@ def _rank() -> int:
 # ---------------------------------------------------------------------- the connector
 
 
+def parent_multi_connector(max_depth: int = 6) -> Any:
+    """The ``MultiConnector`` (vLLM's or a subclass, such as vllm-ascend's) whose
+    constructor is building the caller, or None when the connector stands alone.
+
+    A child gets a private copy of the configuration naming only itself, so the
+    parent is found on the call stack: the ``self`` of a ``MultiConnector.__init__``.
+    """
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+            MultiConnector,
+        )
+    except Exception:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, MultiConnector):
+            return owner
+    return None
+
+
 def _recompute_failed_restores(vllm_config: Any) -> None:
     """Standalone, a failed restore must fall back to recompute, never fail the request.
 
@@ -278,7 +303,12 @@ def _recompute_failed_restores(vllm_config: Any) -> None:
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     if ktc is None or getattr(ktc, "kv_load_failure_policy", None) == "recompute":
         return
-    if getattr(ktc, "kv_connector", None) == CONNECTOR_NAME:
+    parent = parent_multi_connector()
+    if parent is not None:
+        top = getattr(getattr(parent, "_vllm_config", None), "kv_transfer_config", None)
+        if getattr(top, "kv_load_failure_policy", None) == "recompute":
+            return
+    if parent is None:
         ktc.kv_load_failure_policy = "recompute"
         logger.info(
             "kvtier: kv_load_failure_policy set to 'recompute': a failed restore is "

@@ -2,64 +2,44 @@
 
 vLLM calls :func:`register` in every one of its processes. It must never raise (an
 exception in a general plugin stops vLLM), must be idempotent, and imports vLLM only
-inside the function.
+inside the function. It follows kvtier's plugin convention
+(:mod:`kvtier.blockpool.plugin_glue`):
+
+* the supported vLLM range is the ``vllm`` extra of this distribution;
+* ``KvtierRecomputeCPUOffloadConnector`` is always kvtier's connector;
+* the guide's name ``RecomputeCPUOffloadConnector`` is kvtier's too, unless
+  ``KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR=0``. vllm-ascend registers its own connector
+  under that name: whichever plugin loads first, kvtier's entry replaces or keeps the
+  name and vllm-ascend's registration is skipped with one log line (it would raise on
+  the duplicate otherwise). With the switch at 0 the name is left to vllm-ascend.
 """
 
 from __future__ import annotations
 
 import logging
-import re
+from typing import Any
 
 logger = logging.getLogger("vllm.kvtier.recompute_connector")
 
+DISTRIBUTION = "kvtier-recompute-connector"
 CONNECTOR_NAME = "RecomputeCPUOffloadConnector"
+ALIAS = "KvtierRecomputeCPUOffloadConnector"
 CONNECTOR_MODULE = "kvtier.recompute_connector.connector"
-MIN_VLLM = (0, 32)
+ENV_OVERRIDE = "KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR"
 
-_registered = False
-
-
-def parse_version(text: str) -> tuple[int, int] | None:
-    """``(major, minor)`` of a version string such as ``0.32.0+cpu``, or None."""
-    match = re.match(r"\s*(\d+)\.(\d+)", text or "")
-    return (int(match.group(1)), int(match.group(2))) if match else None
+_state: dict[str, Any] = {"registered": False, "seed_name": False}
 
 
 def register() -> bool:
-    """Register ``RecomputeCPUOffloadConnector`` with vLLM's KV connector factory.
+    """Register kvtier's connector with vLLM's KV connector factory.
 
-    Returns True when the connector is registered (now or before). Never raises: an
-    unsupported vLLM or any error is one log line and no registration.
+    Returns True when it is registered (now or before), at least under its alias.
+    Never raises: an unsupported vLLM or any error is one log line and no registration.
     """
-    global _registered
-    if _registered:
+    if _state["registered"]:
         return True
     try:
-        import vllm
-
-        version = str(getattr(vllm, "__version__", ""))
-        parsed = parse_version(version)
-        if parsed is None or parsed < MIN_VLLM:
-            logger.warning(
-                "kvtier-recompute-connector: vLLM %s is not supported (needs >= %d.%d); "
-                "%s is not registered",
-                version or "(unknown version)",
-                *MIN_VLLM,
-                CONNECTOR_NAME,
-            )
-            return False
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-        registry = getattr(KVConnectorFactory, "_registry", {})
-        if CONNECTOR_NAME not in registry:
-            try:
-                KVConnectorFactory.register_connector(
-                    CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME
-                )
-            except ValueError:
-                pass  # registered meanwhile (the factory refuses duplicate names)
-        _registered = True
-        return True
+        _state["registered"] = _register()
     except Exception as exc:  # never take vLLM's plugin loader down
         logger.warning(
             "kvtier-recompute-connector: could not register %s: %s: %s",
@@ -67,4 +47,56 @@ def register() -> bool:
             type(exc).__name__,
             exc,
         )
+    return bool(_state["registered"])
+
+
+def _register() -> bool:
+    import vllm
+
+    from kvtier.blockpool.plugin_glue import (
+        claim_name,
+        env_switch,
+        guard_registrations,
+        kvtier_loader,
+        version_gate,
+    )
+
+    version = str(getattr(vllm, "__version__", ""))
+    if not version_gate("kvtier-recompute-connector", DISTRIBUTION, version, logger):
         return False
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = KVConnectorFactory._registry
+    loader = kvtier_loader(CONNECTOR_MODULE, CONNECTOR_NAME)
+    claim_name(registry, ALIAS, loader, take=True)
+    take = env_switch(ENV_OVERRIDE, True, logger)
+    outcome = claim_name(registry, CONNECTOR_NAME, loader, take=take)
+    if take:
+        guard_registrations(
+            KVConnectorFactory, "register_connector", registry, {CONNECTOR_NAME}, logger,
+            ENV_OVERRIDE,
+        )  # fmt: skip
+    _state["seed_name"] = outcome != "left"
+    if outcome == "replaced":
+        logger.info(
+            "kvtier: %s is kvtier's connector (it replaced another plugin's; set %s=0 to "
+            "keep that one); also registered as %s",
+            CONNECTOR_NAME,
+            ENV_OVERRIDE,
+            ALIAS,
+        )
+    elif outcome == "left":
+        logger.info(
+            "kvtier: %s=0: %s left to other plugins; kvtier's connector is %s",
+            ENV_OVERRIDE,
+            CONNECTOR_NAME,
+            ALIAS,
+        )
+    else:
+        logger.debug("kvtier: registered %s and %s", CONNECTOR_NAME, ALIAS)
+    return True
+
+
+def owns_seed_name() -> bool:
+    """Whether this process's ``register()`` made the guide's name kvtier's connector."""
+    return bool(_state["seed_name"])

@@ -13,59 +13,43 @@ first and uses ``spec_module_path`` only for names not registered, and
   on platforms where vLLM's own specs refuse to run (anything but CUDA, ROCm and
   XPU: Ascend NPU, vLLM's CPU platform), and on CUDA/ROCm/XPU only when
   ``KVTIER_OVERRIDE_UPSTREAM_SPECS=1``. ``KVTIER_OVERRIDE_UPSTREAM_SPECS=0``
-  leaves vLLM's names alone everywhere.
+  leaves vLLM's names alone everywhere. A plugin that registers those names after
+  kvtier took them is skipped with one log line.
+
+It follows kvtier's plugin convention (:mod:`kvtier.blockpool.plugin_glue`): the
+supported vLLM range is this distribution's ``vllm`` extra.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
-from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
+DISTRIBUTION = "kvtier-tiering-spec"
 MODULE = "kvtier.tiering_spec.vllm_adapter"
 UPSTREAM_NAMES = ("CPUOffloadingSpec", "TieringOffloadingSpec")
 KVTIER_NAMES = {
     "KvtierCPUOffloadingSpec": "CPUOffloadingSpec",
     "KvtierTieringOffloadingSpec": "TieringOffloadingSpec",
 }
-SUPPORTED = ((0, 32), (0, 33))  # [min, max) of vLLM's (major, minor)
 ENV_OVERRIDE = "KVTIER_OVERRIDE_UPSTREAM_SPECS"
 
 _state: dict[str, Any] = {"done": False, "overridden": False}
 
 
-def _loader(class_name: str) -> Callable[[], type]:
-    def load() -> type:
-        cls: type = getattr(importlib.import_module(MODULE), class_name)
-        return cls
-
-    load.kvtier = True  # type: ignore[attr-defined]
-    return load
-
-
-def parse_version(text: str) -> tuple[int, int] | None:
-    parts = text.split(".")
-    try:
-        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or "x")
-    except (IndexError, ValueError):
-        return None
-
-
 def should_override(platform: Any, env: str | None) -> bool:
-    """Whether the upstream names should resolve to kvtier on ``platform``."""
-    if env is not None and env.strip() in ("0", "false", "False", "no"):
-        return False
-    if env is not None and env.strip() in ("1", "true", "True", "yes"):
-        return True
+    """Whether the upstream names should resolve to kvtier on ``platform`` (``env``: the
+    value of ``KVTIER_OVERRIDE_UPSTREAM_SPECS``, or None when unset)."""
+    from kvtier.blockpool.plugin_glue import env_switch
+
     try:
         upstream_runs = bool(platform.is_cuda_alike() or platform.is_xpu())
     except Exception:
         upstream_runs = False
-    return not upstream_runs
+    environ = {} if env is None else {ENV_OVERRIDE: env}
+    return env_switch(ENV_OVERRIDE, not upstream_runs, logger, environ)
 
 
 def register() -> None:
@@ -80,16 +64,19 @@ def register() -> None:
 
 
 def _register() -> None:
+    import os
+
     import vllm
 
-    version = getattr(vllm, "__version__", "unknown")
-    parsed = parse_version(str(version))
-    if parsed is None or not (SUPPORTED[0] <= parsed < SUPPORTED[1]):
-        logger.warning(
-            "kvtier-tiering-spec supports vLLM 0.32.x; this is vLLM %s, so kvtier's specs are "
-            "not registered (vLLM's own spec names are unchanged)",
-            version,
-        )
+    from kvtier.blockpool.plugin_glue import (
+        claim_name,
+        guard_registrations,
+        kvtier_loader,
+        version_gate,
+    )
+
+    version = str(getattr(vllm, "__version__", ""))
+    if not version_gate("kvtier-tiering-spec", DISTRIBUTION, version, logger):
         return
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -101,14 +88,16 @@ def _register() -> None:
         )
         return
     for name, cls in KVTIER_NAMES.items():
-        if name not in registry:
-            OffloadingSpecFactory.register_spec(name, MODULE, cls)
+        claim_name(registry, name, kvtier_loader(MODULE, cls), take=True)
     from vllm.platforms import current_platform
 
-    env = os.environ.get(ENV_OVERRIDE)
-    if should_override(current_platform, env):
+    if should_override(current_platform, os.environ.get(ENV_OVERRIDE)):
         for name in UPSTREAM_NAMES:
-            registry[name] = _loader(name)
+            claim_name(registry, name, kvtier_loader(MODULE, name), take=True)
+        guard_registrations(
+            OffloadingSpecFactory, "register_spec", registry, set(UPSTREAM_NAMES), logger,
+            ENV_OVERRIDE,
+        )  # fmt: skip
         _state["overridden"] = True
         logger.info(
             "kvtier-tiering-spec: spec names %s resolve to kvtier's implementations on this "
