@@ -14,19 +14,30 @@ workload runs, one engine after another in this process:
 
 Workloads:
 
-* ``preemption``: 16 requests x (512 prompt + 384 generated tokens), 64 device blocks
-  of 32 tokens, ``max_num_batched_tokens`` 64 as on a decode node: running requests
-  grow until vLLM preempts them; kvtier's ``RecomputeCPUOffloadConnector`` restores
-  what vLLM alone recomputes;
+* ``preemption``: a decode node tuned as the recompute guide says
+  (``max_num_batched_tokens`` = ``max_num_seqs`` = 16): 16 requests x (896 prompt +
+  128 generated tokens), 60 device blocks of 32 tokens. Older requests' decode growth
+  preempts newer ones right after their prefill; kvtier's
+  ``RecomputeCPUOffloadConnector`` restores what vLLM alone recomputes 16 tokens a
+  step. Run without vLLM's device prefix cache (every preempted token is recomputed)
+  and, as two more rows, with it (it keeps freed blocks until other requests reuse
+  them, so vLLM alone recomputes less);
 * ``prefix``: 4 prefixes of 768 tokens asked 3 times round-robin (own 32-token suffix,
   16 generated), 60 device blocks (two requests fit, the prefixes do not stay):
   ``CPUOffloadingSpec`` with 1 GiB, and a 24 MiB host tier plus an fs tier;
 * ``roomy``: the prefix workload with room for everything (400 blocks): what kvtier
-  costs when it is not needed.
+  costs when it is not needed;
+* ``chat``: multi-turn chat through ``vllm serve`` and the ``openai`` client (see
+  :mod:`kvtier.demo.bench_chat`): 6 users arriving 1 s apart, each with a 512-token
+  first message and 3 follow-ups of 64 tokens, 32-token replies, 2 s between a reply
+  and the next message; every turn resends the conversation. 64 device blocks (two
+  conversations; the six need about 150); ``CPUOffloadingSpec`` with 1 GiB. Measures
+  time to first token (p50, p90) and output tokens per second.
 
 Prints a table (wall seconds, ratio to vLLM alone, preemptions, tokens scheduled,
-tokens served by kvtier, identical outputs) and the goals of the issue with their
-measured values; writes JSON and a PNG chart. Exits 1 if any output differs.
+tokens served by kvtier, identical outputs; for chat: TTFT and output tokens/s) and
+the goals of the issue with their measured values; writes JSON and a PNG chart.
+Exits 1 if any output differs.
 """
 
 from __future__ import annotations
@@ -68,6 +79,7 @@ class Run:
     role: str  # "reference", "alone", "null" or "kvtier"
     engine: dict[str, Any]
     kv: dict[str, Any] | None = None
+    baseline: str | None = None  # label of the run "x alone" divides by (default: first alone)
 
 
 @dataclass
@@ -77,6 +89,7 @@ class Scenario:
     workload: Any
     runs: list[Run]
     results: list[dict[str, Any]] = field(default_factory=list)
+    served: bool = False  # True: through ``vllm serve`` (a ChatWorkload)
 
 
 def _recompute_kv() -> dict[str, Any]:
@@ -98,30 +111,75 @@ def _offload_kv(spec: str, host_bytes: int, fs_root: str | None = None) -> dict[
     }
 
 
+def server_args(engine: dict[str, Any], kv: dict[str, Any] | None) -> list[str]:
+    """``vllm serve`` arguments for an engine configuration of this module."""
+    from kvtier.testkit.server import kv_transfer_arg
+
+    args: list[str] = []
+    for key, value in engine.items():
+        flag = "--" + key.replace("_", "-")
+        if key == "disable_log_stats":
+            continue  # the server logs stats unless told not to
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        else:
+            args += [flag, str(value)]
+    return args + (kv_transfer_arg(kv) if kv is not None else [])
+
+
+CHAT_ENGINE: dict[str, Any] = {
+    **BASE_ENGINE,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 512,
+    "seed": 0,
+}
+
+
 def scenarios(fs_root: str) -> list[Scenario]:
+    from kvtier.demo.bench_chat import ChatWorkload
     from kvtier.testkit import make_prefix_workload, make_workload
     from kvtier.testkit.null_connector import NULL_CONNECTOR
 
-    preempt = {**BASE_ENGINE, "max_num_seqs": 16, "max_num_batched_tokens": 64}
+    # A decode node as the recompute guide tunes it: max_num_batched_tokens sized to
+    # max_num_seqs (one new token per request per step), so a preempted request's
+    # prompt is recomputed 16 tokens at a time. Admission reserves a request's whole
+    # prompt (vLLM's default), so requests are preempted by the decode growth of
+    # older ones, right after their 896-token prefill.
+    preempt = {**BASE_ENGINE, "max_num_seqs": 16, "max_num_batched_tokens": 16}
+    # vLLM's device prefix cache keeps a preempted request's freed blocks until other
+    # requests reuse them; without it, every preempted token is recomputed.
+    no_prefix_cache = {**preempt, "enable_prefix_caching": False}
     prefix = {**BASE_ENGINE, "max_num_seqs": 2, "max_num_batched_tokens": 512}
     prefix_workload = make_prefix_workload(4, 768, 32, 3, max_tokens=16)
     tight_prefix = {**prefix, "num_gpu_blocks_override": 60}
     roomy_prefix = {**prefix, "num_gpu_blocks_override": 400}
-    tight_preempt = {**preempt, "num_gpu_blocks_override": 64}
+    tight_preempt = {**no_prefix_cache, "num_gpu_blocks_override": 60}
+    tight_cached = {**preempt, "num_gpu_blocks_override": 60}
+    chat_tight = {**CHAT_ENGINE, "num_gpu_blocks_override": 64}
+    chat_roomy = {**CHAT_ENGINE, "num_gpu_blocks_override": 400}
     return [
         Scenario(
             "preemption",
-            "16 requests x (512 + 384 tokens), 64 device blocks, max_num_batched_tokens 64",
-            make_workload(16, 512, 384),
+            "decode node: 16 requests x (896 + 128 tokens), 60 device blocks, "
+            "max_num_seqs = max_num_batched_tokens = 16",
+            make_workload(16, 896, 128),
             [
                 Run(
                     "reference (room for all)",
                     "reference",
-                    {**preempt, "num_gpu_blocks_override": 512},
+                    {**preempt, "num_gpu_blocks_override": 600},
                 ),
                 Run("vLLM alone (recompute)", "alone", tight_preempt),
                 Run("null connector", "null", tight_preempt, NULL_CONNECTOR),
                 Run("kvtier recompute connector", "kvtier", tight_preempt, _recompute_kv()),
+                Run("vLLM alone + device prefix cache", "alone", tight_cached),
+                Run(
+                    "kvtier + device prefix cache",
+                    "kvtier",
+                    tight_cached,
+                    _recompute_kv(),
+                    baseline="vLLM alone + device prefix cache",
+                ),
             ],
         ),
         Scenario(
@@ -161,7 +219,63 @@ def scenarios(fs_root: str) -> list[Scenario]:
                 ),
             ],
         ),
+        Scenario(
+            "chat",
+            "6 users x 4 turns through vllm serve (512-token first message, +64 per turn, "
+            "32-token replies), 64 device blocks",
+            ChatWorkload(),
+            [
+                Run("reference (room for all)", "reference", chat_roomy),
+                Run("vLLM alone (device cache)", "alone", chat_tight),
+                Run("null connector", "null", chat_tight, NULL_CONNECTOR),
+                Run(
+                    "kvtier host tier (1 GiB)",
+                    "kvtier",
+                    chat_tight,
+                    _offload_kv("CPUOffloadingSpec", HOST_BYTES),
+                ),
+            ],
+            served=True,
+        ),
     ]
+
+
+def run_chat_scenario(model: Path, sc: Scenario, progress: Any, log_dir: Path) -> None:
+    """Each run: start ``vllm serve``, play the chat, stop it; TTFT is the measure."""
+    from kvtier.demo.bench_chat import serve_chat
+    from kvtier.testkit.server import prometheus_values
+
+    replies: dict[str, list[list[int]]] = {}
+    for i, run in enumerate(sc.runs):
+        progress.set_description(f"{sc.name}: {run.label}")
+        result, metrics = serve_chat(
+            model,
+            server_args(run.engine, run.kv),
+            sc.workload,
+            log_path=log_dir / f"chat-{i}-{run.role}.log",
+        )
+        if result.errors:
+            raise RuntimeError(f"chat run {run.label!r} failed: {result.errors[0]}")
+        replies[run.label] = result.replies()
+        hits = prometheus_values(metrics, "vllm:external_prefix_cache_hits_total")
+        sc.results.append(
+            {
+                "run": run.label,
+                "role": run.role,
+                "wall_s": round(result.wall_s, 2),
+                "ttft_p50_s": round(result.ttft_percentile(50), 3),
+                "ttft_p90_s": round(result.ttft_percentile(90), 3),
+                "output_tok_s": round(result.output_tokens_per_s(), 1),
+                "served_tokens": int(sum(hits.values())),
+            }
+        )
+        progress.update(1)
+    ref = next(r for r in sc.results if r["role"] == "reference")["run"]
+    alone = next(r for r in sc.results if r["role"] == "alone")
+    for r in sc.results:
+        r["identical"] = replies[r["run"]] == replies[ref]
+        # For chat the user-felt figure is the time to first token.
+        r["vs_alone"] = round(r["ttft_p50_s"] / alone["ttft_p50_s"], 3)
 
 
 def run_scenario(model: Path, sc: Scenario, progress: Any) -> None:
@@ -196,8 +310,10 @@ def run_scenario(model: Path, sc: Scenario, progress: Any) -> None:
     alone = next((r for r in sc.results if r["role"] == "alone"), None) or next(
         r for r in sc.results if r["role"] == "reference"
     )
-    for r in sc.results:
-        r["vs_alone"] = round(r["wall_s"] / alone["wall_s"], 3) if alone["wall_s"] else None
+    by_label = {r["run"]: r for r in sc.results}
+    for run, r in zip(sc.runs, sc.results):
+        base = by_label[run.baseline] if run.baseline else alone
+        r["vs_alone"] = round(r["wall_s"] / base["wall_s"], 3) if base["wall_s"] else None
 
 
 def _goal(goal: str, value: float | None, limit: float, *, at_most: bool) -> dict[str, Any]:
@@ -221,10 +337,17 @@ def goals(done: dict[str, Scenario]) -> list[dict[str, Any]]:
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a and b else None
 
-    worst = [r["vs_alone"] for sc in done.values() for r in sc.results if r["role"] == "kvtier"]
+    # Where vLLM alone runs out of device memory; "roomy" has its own goal below.
+    worst = [
+        r["vs_alone"]
+        for name, sc in done.items()
+        if name != "roomy"
+        for r in sc.results
+        if r["role"] == "kvtier"
+    ]
     out = [
         _goal(
-            "kvtier never slower than vLLM alone (kvtier / alone, worst)",
+            "kvtier never slower than vLLM alone (kvtier / alone, worst; chat: TTFT p50)",
             max(worst) if worst else None,
             1.0,
             at_most=True,
@@ -258,10 +381,13 @@ def goals(done: dict[str, Scenario]) -> list[dict[str, Any]]:
             at_most=True,
         )
     )
+    chat = {r["role"]: r for r in done["chat"].results} if "chat" in done else {}
     out.append(
         _goal(
             "multi-turn chat through vllm serve: TTFT p50, vLLM alone / kvtier",
-            None,
+            ratio(chat["alone"]["ttft_p50_s"], chat["kvtier"]["ttft_p50_s"])
+            if "alone" in chat and "kvtier" in chat
+            else None,
             2.0,
             at_most=False,
         )
@@ -269,17 +395,30 @@ def goals(done: dict[str, Scenario]) -> list[dict[str, Any]]:
     return out
 
 
+BATCH_COLUMNS = [
+    ("run", "run"),
+    ("wall s", "wall_s"),
+    ("x alone", "vs_alone"),
+    ("preempt", "preemptions"),
+    ("scheduled tok", "scheduled_tokens"),
+    ("kvtier tok", "served_tokens"),
+    ("outputs", "identical"),
+]
+CHAT_COLUMNS = [
+    ("run", "run"),
+    ("TTFT p50 s", "ttft_p50_s"),
+    ("TTFT p90 s", "ttft_p90_s"),
+    ("x alone (p50)", "vs_alone"),
+    ("out tok/s", "output_tok_s"),
+    ("wall s", "wall_s"),
+    ("kvtier tok", "served_tokens"),
+    ("outputs", "identical"),
+]
+
+
 def print_table(done: dict[str, Scenario]) -> None:
-    cols = [
-        ("run", "run"),
-        ("wall s", "wall_s"),
-        ("x alone", "vs_alone"),
-        ("preempt", "preemptions"),
-        ("scheduled tok", "scheduled_tokens"),
-        ("kvtier tok", "served_tokens"),
-        ("outputs", "identical"),
-    ]
     for sc in done.values():
+        cols = CHAT_COLUMNS if sc.served else BATCH_COLUMNS
         print(f"\n== {sc.name}: {sc.description}")
         cells = [
             [("match" if r[k] else "DIFFER") if k == "identical" else str(r[k]) for _, k in cols]
@@ -309,7 +448,8 @@ def plot(done: dict[str, Scenario], path: Path) -> None:
     fig, axes = plt.subplots(1, len(done), figsize=(5 * len(done), 4), squeeze=False)
     for ax, sc in zip(axes[0], done.values()):
         labels = [r["run"] for r in sc.results]
-        values = [r["wall_s"] for r in sc.results]
+        key = "ttft_p50_s" if sc.served else "wall_s"
+        values = [r[key] for r in sc.results]
         colors = [
             {"reference": "#999999", "alone": "#d62728", "null": "#ff9896"}.get(
                 r["role"], "#1f77b4"
@@ -318,7 +458,11 @@ def plot(done: dict[str, Scenario], path: Path) -> None:
         ]
         ax.barh(labels[::-1], values[::-1], color=colors[::-1])
         ax.set_title(sc.name)
-        ax.set_xlabel("wall seconds (lower is better)")
+        ax.set_xlabel(
+            "time to first token, p50 s (lower is better)"
+            if sc.served
+            else "wall seconds (lower is better)"
+        )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -330,7 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--png", help="write a chart here (default: beside --json)")
     parser.add_argument(
-        "--only", nargs="*", choices=("preemption", "prefix", "roomy"), help="workloads to run"
+        "--only",
+        nargs="*",
+        choices=("preemption", "prefix", "roomy", "chat"),
+        help="workloads to run",
     )
     opts = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -339,12 +486,16 @@ def main(argv: list[str] | None = None) -> int:
     from kvtier.testkit import make_tiny_llama
 
     model = make_tiny_llama(None, **MODEL_SHAPE)
+    log_dir = Path(opts.json).parent if opts.json else Path(tempfile.gettempdir())
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-fs-") as fs_root:
         chosen = [s for s in scenarios(fs_root) if not opts.only or s.name in opts.only]
         done: dict[str, Scenario] = {}
         with tqdm(total=sum(len(s.runs) for s in chosen), unit="run") as progress:
             for sc in chosen:
-                run_scenario(model, sc, progress)
+                if sc.served:
+                    run_chat_scenario(model, sc, progress, log_dir)
+                else:
+                    run_scenario(model, sc, progress)
                 done[sc.name] = sc
     print_table(done)
     results = goals(done)

@@ -126,12 +126,27 @@ def _labelled(result: Any, name: str, label: str) -> dict[str, float]:
 
 
 def preemption_workload(model: ModelSizes, step: Progress) -> WorkloadReport:
-    """Preemption-heavy decode: 16 requests in a KV cache of 16 blocks, with
-    ``RecomputeCPUOffloadConnector`` keeping preempted requests' KV in host DRAM."""
+    """A decode node under memory pressure: 16 requests of long prompts in a KV cache of
+    15 blocks, with ``RecomputeCPUOffloadConnector`` keeping preempted requests' KV in
+    host DRAM.
+
+    The engine is tuned as the recompute guide describes a decode node:
+    ``max_num_batched_tokens`` equal to ``max_num_seqs``, so a preempted request's
+    prompt is recomputed 16 tokens a step. vLLM admits a request when its whole prompt
+    fits; the decode growth of the older running request then preempts it, right after
+    its prefill. vLLM's device prefix cache is off, so vLLM alone recomputes every
+    preempted token (with it on, freed blocks that no other request reused come back
+    for free and vLLM alone recomputes less).
+    """
     from kvtier.testkit import make_workload
 
-    requests, prompt, generated = 16, 40, 200
-    engine = {**_base_engine(model, 256), "max_num_seqs": 16}
+    requests, prompt, generated = 16, 192, 64
+    engine = {
+        **_base_engine(model, 256),
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 16,
+        "enable_prefix_caching": False,
+    }
     workload = make_workload(
         requests, prompt, generated, vocab=model.vocab, exclude=model.special_ids
     )
@@ -149,8 +164,8 @@ def preemption_workload(model: ModelSizes, step: Progress) -> WorkloadReport:
     }
     run = _runner(model, workload, engine, step, "preemption")
     reference = run("reference (room for all)", 160)
-    plain = run("vLLM alone (recompute)", 16)
-    kv = run("vLLM + kvtier RecomputeCPUOffloadConnector", 16, connector)
+    plain = run("vLLM alone (recompute)", 15)
+    kv = run("vLLM + kvtier RecomputeCPUOffloadConnector", 15, connector)
     moved = sum(_labelled(kv, RECOMPUTE + "transfer_bytes", "direction").values())
     rows = [
         _row("reference (room for all)", reference, reference, decode),
@@ -166,8 +181,10 @@ def preemption_workload(model: ModelSizes, step: Progress) -> WorkloadReport:
     ]
     return WorkloadReport(
         "preemption",
-        "16 requests x (40 prompt + 200 generated tokens) in a device KV cache of 16 blocks "
-        "of 32 tokens: vLLM preempts and recomputes; kvtier keeps preempted KV in host DRAM",
+        f"decode node: {requests} requests x ({prompt} prompt + {generated} generated "
+        "tokens), a device KV cache of 15 blocks of 32 tokens, max_num_batched_tokens = "
+        "max_num_seqs = 16, no device prefix cache: vLLM preempts and recomputes 16 tokens "
+        "a step; kvtier keeps preempted KV in host DRAM",
         requests,
         requests * prompt,
         requests * generated,
