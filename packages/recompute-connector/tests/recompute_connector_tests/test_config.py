@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kvtier.recompute_connector import DEFAULT_TOTAL_BYTES, RecomputeOffloadConfig
@@ -83,3 +85,24 @@ def test_booleans_given_as_strings_or_numbers_are_refused(value: object) -> None
 def test_unknown_keys_are_logged_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
     config({"cpu_bytes_to_use_per_rank": 1 << 20, "cpu_bytes_to_usee": 5})
     assert "cpu_bytes_to_usee" in caplog.text
+
+
+def test_test_only_keys_are_refused_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVTIER_ENABLE_TEST_KEYS", raising=False)
+    with pytest.raises(ValueError, match=r"kvtier_test_fail_loads.*KVTIER_ENABLE_TEST_KEYS=1"):
+        RecomputeOffloadConfig.from_settings(
+            {"kvtier_test_fail_loads": True}, world_size=1, kv_role="kv_both"
+        )
+
+
+def test_test_only_keys_are_logged_at_error_when_allowed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KVTIER_ENABLE_TEST_KEYS", "1")
+    with caplog.at_level(logging.ERROR, logger="kvtier.recompute_connector"):
+        cfg = RecomputeOffloadConfig.from_settings(
+            {"kvtier_test_corrupt_restores": True}, world_size=1, kv_role="kv_both"
+        )
+    assert cfg.corrupt_restores
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "kvtier_test_corrupt_restores" in errors[0].getMessage()

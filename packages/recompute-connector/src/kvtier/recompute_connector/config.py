@@ -20,6 +20,7 @@ from kvtier.blockpool import (
     require_positive_int,
 )
 from kvtier.blockpool import resolve_budget as _resolve_budget
+from kvtier.blockpool.plugin_glue import env_switch
 
 logger = logging.getLogger("kvtier.recompute_connector")
 
@@ -31,6 +32,10 @@ CORRUPT_KEY = "kvtier_test_corrupt_restores"
 # Test-only: make the worker's stores or loads fail (exercises the fallbacks end to end).
 FAIL_STORES_KEY = "kvtier_test_fail_stores"
 FAIL_LOADS_KEY = "kvtier_test_fail_loads"
+
+# The test-only keys are refused unless this switch is on (the tests turn it on).
+TEST_KEYS_SWITCH = "KVTIER_ENABLE_TEST_KEYS"
+TEST_KEY_PREFIX = "kvtier_test_"
 
 KNOWN_KEYS = frozenset(
     {PER_RANK_KEY, TOTAL_KEY, PREFIX_CACHING_KEY, CORRUPT_KEY, FAIL_STORES_KEY, FAIL_LOADS_KEY}
@@ -84,6 +89,20 @@ class RecomputeOffloadConfig:
         for key in (PER_RANK_KEY, TOTAL_KEY):
             if extra.get(key) is not None:
                 require_positive_int(key, extra[key])
+        test_keys = sorted(k for k in extra if k.startswith(TEST_KEY_PREFIX))
+        if test_keys:
+            if not env_switch(TEST_KEYS_SWITCH, False, logger):
+                raise ValueError(
+                    f"kv_connector_extra_config key {test_keys[0]} is test-only (it makes "
+                    f"restores fail or corrupts them on purpose); it is refused unless "
+                    f"{TEST_KEYS_SWITCH}=1"
+                )
+            logger.error(
+                "kvtier: test-only keys %s are set (%s=1): restores fail or are corrupted "
+                "on purpose; never use them in production",
+                test_keys,
+                TEST_KEYS_SWITCH,
+            )
         unknown = sorted(k for k in extra if k not in KNOWN_KEYS)
         if unknown:
             logger.warning(
