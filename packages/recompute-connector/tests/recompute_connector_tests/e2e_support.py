@@ -73,7 +73,7 @@ def multi(storage: str, *, recompute_first: bool, role: str = "kv_consumer") -> 
 def recompute_connector(llm: Any) -> Any:
     """Our scheduler-side connector, standalone or inside MultiConnector."""
     top = kv_connector_of(llm)
-    for c in [top, *getattr(top, "sub_connectors", [])]:
+    for c in [top, *getattr(top, "sub_connectors", getattr(top, "_connectors", []))]:
         if type(c).__name__ == CONNECTOR:
             return c
     raise AssertionError(f"{CONNECTOR} not found in {type(top).__name__}")
@@ -84,7 +84,7 @@ def worker_connector(llm: Any) -> Any:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     top = get_kv_transfer_group()
-    for c in [top, *getattr(top, "sub_connectors", [])]:
+    for c in [top, *getattr(top, "sub_connectors", getattr(top, "_connectors", []))]:
         if type(c).__name__ == CONNECTOR:
             return c
     raise AssertionError(f"{CONNECTOR} not found among the worker connectors")

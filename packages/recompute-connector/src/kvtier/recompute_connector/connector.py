@@ -37,7 +37,6 @@ The scheduler/worker protocol, and why it is correct under vLLM's step order:
 from __future__ import annotations
 
 import logging
-import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvtier.recompute_connector import vllm_compat
 from kvtier.recompute_connector.config import RecomputeOffloadConfig
 from kvtier.recompute_connector.protocol import StepPlan, WorkerReport
 from kvtier.recompute_connector.state import KVGroup, RecomputeOffloadScheduler
@@ -137,6 +137,12 @@ class RecomputeOffloadStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.counters.values()) and not self.gauges
+
+    def __getitem__(self, key: str) -> Any:
+        # Older MultiConnectors hand a child's Prometheus metrics stats["data"].
+        if key == "data":
+            return self.data
+        raise KeyError(key)
 
 
 PROM_PREFIX = "vllm:kvtier_recompute_"
@@ -269,7 +275,7 @@ def _rank() -> int:
 # ---------------------------------------------------------------------- the connector
 
 
-def parent_multi_connector(max_depth: int = 6) -> Any:
+def parent_multi_connector() -> Any:
     """The ``MultiConnector`` (vLLM's or a subclass, such as vllm-ascend's) whose
     constructor is building the caller, or None when the connector stands alone.
 
@@ -282,15 +288,7 @@ def parent_multi_connector(max_depth: int = 6) -> Any:
         )
     except Exception:
         return None
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, MultiConnector):
-            return owner
-    return None
+    return vllm_compat.calling_object(lambda owner: isinstance(owner, MultiConnector))
 
 
 def _recompute_failed_restores(vllm_config: Any) -> None:
@@ -350,6 +348,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: RecomputeOffloadWorker | None = None
         self._local_hits: dict[str, int] = {}
         self._groups = kv_groups(kv_cache_config)
+        self._stats_every_step = not vllm_compat.binds_kv_cache_manager()
         self._refresh_every_step = any(g.sliding_window for g in self._groups)
         if role == KVConnectorRole.SCHEDULER:
             budget = self.config.resolve_budget(self.block_bytes)
@@ -449,6 +448,17 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self.scheduler.on_allocated(req_id, blocks.get_block_ids(), local, num_external_tokens)
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        # vLLM releases without bind_kv_cache_manager (0.23): see vllm_compat.
+        if getattr(self, "_kv_cache_manager", None) is None and self.scheduler is not None:
+            manager = vllm_compat.scheduler_kv_cache_manager()
+            if manager is None:
+                logger.warning(
+                    "kvtier: the scheduler's KV cache manager was not found; block tables "
+                    "are read from scheduler outputs (new and resumed requests only)"
+                )
+            self._kv_cache_manager = manager
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         sched = self.scheduler
         if sched is None:
@@ -461,7 +471,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 sched.running.pop(req_id, None)
                 continue
             sched.on_preempted(req_id)
-        manager = self._kv_cache_manager
+        manager = getattr(self, "_kv_cache_manager", None)
         for new in scheduler_output.scheduled_new_reqs:
             self._observe(
                 sched,
@@ -507,6 +517,9 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if manager is not None:
             block_ids = manager.get_block_ids(req_id)
         if block_ids is None:
+            # Its block table changed and cannot be read: a copy would miss blocks, so
+            # the request is no longer tracked and a preemption recomputes it.
+            sched.running.pop(req_id, None)
             return
         sched.observe_scheduled(req_id, block_ids, num_computed, n)
 
@@ -545,7 +558,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         elif self.worker is not None:
             t = self.worker.take_stats()
             if t is None:
-                return None
+                # Older vLLM polls the scheduler side only when a worker reports stats.
+                return stats if self._stats_every_step else None
             for direction in ("d2h", "h2d"):
                 for kind, table in (
                     ("bytes", t.bytes),
@@ -555,6 +569,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 ):
                     if table[direction]:
                         stats.counters[f"{kind}_{direction}"] = table[direction]
+        if self.worker is not None and self._stats_every_step:
+            return stats
         return None if stats.is_empty() else stats
 
     @classmethod

@@ -1,0 +1,55 @@
+"""What differs between the vLLM releases the connector supports, in one place.
+
+Every difference is detected from vLLM's own classes, not from version numbers:
+
+* **Block tables.** vLLM 0.32 hands a connector the scheduler's ``KVCacheManager``
+  (``bind_kv_cache_manager``), from which the connector reads each request's device
+  blocks. Older releases (0.23) only call ``bind_gpu_block_pool`` from the scheduler's
+  constructor; the manager is then taken from that constructor's ``self``.
+* **Stats polling.** vLLM 0.32's scheduler asks the connector for its stats every step.
+  Older releases ask only in steps where a worker reported stats, so the worker side
+  reports an empty stats object every step there (the scheduler side's fallbacks and
+  gauges would otherwise wait for the next copy).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def binds_kv_cache_manager() -> bool:
+    """Whether this vLLM calls ``bind_kv_cache_manager`` on scheduler-side connectors."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return hasattr(KVConnectorBase_V1, "bind_kv_cache_manager")
+
+
+def calling_object(matches: Callable[[Any], bool], max_depth: int = 8) -> Any:
+    """The nearest ``self`` up the call stack (from the caller's caller) for which
+    ``matches`` is true, or None: how a connector finds the vLLM object building it."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and matches(owner):
+            return owner
+    return None
+
+
+def scheduler_kv_cache_manager() -> Any:
+    """The ``kv_cache_manager`` of the scheduler whose constructor is calling, or None.
+
+    For vLLM releases without ``bind_kv_cache_manager``: called from the connector's
+    ``bind_gpu_block_pool``, which the scheduler's constructor calls (directly, or
+    through ``MultiConnector``) once its ``KVCacheManager`` exists.
+    """
+
+    def has_manager(owner: Any) -> bool:
+        return hasattr(getattr(owner, "kv_cache_manager", None), "get_block_ids")
+
+    scheduler = calling_object(has_manager)
+    return None if scheduler is None else scheduler.kv_cache_manager
