@@ -106,3 +106,11 @@ def test_test_only_keys_are_logged_at_error_when_allowed(
     assert cfg.corrupt_restores
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "kvtier_test_corrupt_restores" in errors[0].getMessage()
+
+
+def test_device_staging_bytes_is_a_positive_number_of_bytes() -> None:
+    assert config({"device_staging_bytes": 8 << 20}).device_staging_bytes == 8 << 20
+    assert config().device_staging_bytes is None
+    for bad in ("32M", 0, -1):
+        with pytest.raises(ValueError, match="device_staging_bytes"):
+            config({"device_staging_bytes": bad})

@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import logging
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -441,6 +443,22 @@ def copy_each(
         dst.copy_(src, non_blocking=True)
 
 
+DEFAULT_STAGING_BYTES = 32 << 20  # device bytes per direction for staged transfers
+
+logger = logging.getLogger("kvtier.npu_copy")
+
+
+@dataclass
+class _Staging:
+    """One direction's device buffers, allocated once: a transfer moves through them in
+    pieces of at most ``blocks`` blocks, so issuing one allocates no device memory."""
+
+    blocks: int
+    staging: torch.Tensor  # [blocks, host_block_bytes] uint8: a piece laid out as host blocks
+    scratch: torch.Tensor  # blocks * largest segment bytes: gathers and scatters by index
+    index: torch.Tensor  # [blocks] int64: device block ids of a scattered piece
+
+
 class StreamBackend:
     """Transfers on an accelerator: one stream per direction, ordered by events.
 
@@ -448,6 +466,12 @@ class StreamBackend:
     host blocks (device memory is far faster than the link), then copies each run of
     consecutive host blocks with one DMA. A load is the mirror image. Host blocks must be
     pinned so DMAs are asynchronous.
+
+    The staging buffers are allocated once, ``staging_bytes`` per direction (stores and
+    loads run on different streams), with room for the index and gather scratch of one
+    piece; a larger transfer moves through them in pieces, one after another on its
+    stream. Preemption copies happen when device memory is exhausted, so issuing a
+    transfer allocates nothing on the device.
     """
 
     name = "stream"
@@ -459,6 +483,7 @@ class StreamBackend:
         *,
         ops: StreamOps | None = None,
         batch_memcpy: BatchMemcpy | None = None,
+        staging_bytes: int | None = None,
     ) -> None:
         self.layout = layout
         self.host_blocks = host_blocks
@@ -467,16 +492,47 @@ class StreamBackend:
         self.dma: BatchMemcpy = batch_memcpy if batch_memcpy is not None else copy_each
         self._streams = {"store": self.ops.new_stream(), "load": self.ops.new_stream()}
         self._pin_index = self.device.type != "cpu"
+        row_bytes = int(host_blocks.shape[1])
+        staging_bytes = DEFAULT_STAGING_BYTES if staging_bytes is None else int(staging_bytes)
+        if staging_bytes < row_bytes:
+            raise ValueError(
+                f"staging_bytes must hold at least one host block ({row_bytes} bytes), "
+                f"got {staging_bytes}"
+            )
+        blocks = min(staging_bytes // row_bytes, max(1, int(host_blocks.shape[0])))
+        seg_bytes = max(seg.block_bytes for seg in layout.segments)
+        self._staging = {
+            direction: _Staging(
+                blocks,
+                torch.empty((blocks, row_bytes), dtype=torch.uint8, device=self.device),
+                torch.empty(blocks * seg_bytes, dtype=torch.uint8, device=self.device),
+                torch.empty(blocks, dtype=torch.int64, device=self.device),
+            )
+            for direction in ("store", "load")
+        }
+        if self.device.type != "cpu":
+            logger.info(
+                "kvtier: transfers stage through %.1f MiB of %s memory per direction, "
+                "%d blocks a piece",
+                (blocks * (row_bytes + seg_bytes + 8)) / 2**20,
+                self.device,
+                blocks,
+            )
 
-    def _device_index(self, ids: list[int], keep: list[Any]) -> torch.Tensor | slice:
-        """Rows to gather or scatter on the device: a slice for one run, else an index."""
+    @property
+    def piece_blocks(self) -> int:
+        """Blocks one piece of a transfer moves through the staging buffer."""
+        return self._staging["store"].blocks
+
+    def _device_index(self, ids: list[int], buf: _Staging, keep: list[Any]) -> torch.Tensor | slice:
+        """Rows to gather or scatter on the device: a slice for one run, else the
+        preallocated index buffer, filled from a (pinned) host list."""
         if len(ids) == 1 or all(b - a == 1 for a, b in itertools.pairwise(ids)):
             return slice(ids[0], ids[0] + len(ids))
-        index = torch.tensor(ids, dtype=torch.int64, pin_memory=self._pin_index)
-        keep.append(index)  # the H2D copy below reads it asynchronously
-        if self._pin_index:
-            index = index.to(self.device, non_blocking=True)
-            keep.append(index)
+        host_index = torch.tensor(ids, dtype=torch.int64, pin_memory=self._pin_index)
+        keep.append(host_index)  # the copy below reads it asynchronously
+        index = buf.index[: len(ids)]
+        index.copy_(host_index, non_blocking=True)
         return index
 
     def _host_dmas(self, host_ids: list[int], staging: torch.Tensor, *, to_host: bool) -> None:
@@ -489,8 +545,12 @@ class StreamBackend:
             srcs.append(stage_rows if to_host else host_rows)
         self.dma(dsts, srcs, self.ops.current_stream(), to_host)
 
-    def _staging(self, n: int) -> torch.Tensor:
-        return torch.empty((n, self.host_blocks.shape[1]), dtype=torch.uint8, device=self.device)
+    def _pieces(
+        self, device_ids: list[int], host_ids: list[int]
+    ) -> Iterator[tuple[list[int], list[int]]]:
+        step = self.piece_blocks
+        for start in range(0, len(device_ids), step):
+            yield device_ids[start : start + step], host_ids[start : start + step]
 
     def _enqueue(
         self, handle: TransferHandle, deps: list[Dep], body: Callable[[list[Any]], None]
@@ -521,31 +581,44 @@ class StreamBackend:
     def store(
         self, handle: TransferHandle, device_ids: list[int], host_ids: list[int], deps: list[Dep]
     ) -> None:
+        buf = self._staging["store"]
+
         def body(keep: list[Any]) -> None:
-            staging = self._staging(len(device_ids))
-            keep.append(staging)
-            rows = self._device_index(device_ids, keep)
-            for seg in self.layout.segments:
-                part = staging[:, seg.host_offset : seg.host_end]
-                part.copy_(seg.rows[rows])
-            self._host_dmas(host_ids, staging, to_host=True)
+            for dev, host in self._pieces(device_ids, host_ids):
+                n = len(dev)
+                stage = buf.staging[:n]
+                rows = self._device_index(dev, buf, keep)
+                for seg in self.layout.segments:
+                    part = stage[:, seg.host_offset : seg.host_end]
+                    if isinstance(rows, slice):
+                        part.copy_(seg.rows[rows])
+                    else:
+                        gathered = buf.scratch[: n * seg.block_bytes].view(n, seg.block_bytes)
+                        torch.index_select(seg.rows, 0, rows, out=gathered)
+                        part.copy_(gathered)
+                self._host_dmas(host, stage, to_host=True)
 
         self._enqueue(handle, deps, body)
 
     def load(
         self, handle: TransferHandle, host_ids: list[int], device_ids: list[int], deps: list[Dep]
     ) -> None:
+        buf = self._staging["load"]
+
         def body(keep: list[Any]) -> None:
-            staging = self._staging(len(device_ids))
-            keep.append(staging)
-            self._host_dmas(host_ids, staging, to_host=False)
-            rows = self._device_index(device_ids, keep)
-            for seg in self.layout.segments:
-                part = staging[:, seg.host_offset : seg.host_end]
-                if isinstance(rows, slice):
-                    seg.rows[rows].copy_(part)
-                else:
-                    seg.rows.index_copy_(0, rows, part)
+            for dev, host in self._pieces(device_ids, host_ids):
+                n = len(dev)
+                stage = buf.staging[:n]
+                self._host_dmas(host, stage, to_host=False)
+                rows = self._device_index(dev, buf, keep)
+                for seg in self.layout.segments:
+                    part = stage[:, seg.host_offset : seg.host_end]
+                    if isinstance(rows, slice):
+                        seg.rows[rows].copy_(part)
+                    else:
+                        scattered = buf.scratch[: n * seg.block_bytes].view(n, seg.block_bytes)
+                        scattered.copy_(part)
+                        seg.rows.index_copy_(0, rows, scattered)
 
         self._enqueue(handle, deps, body)
 

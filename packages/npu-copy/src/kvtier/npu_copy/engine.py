@@ -25,21 +25,23 @@ BACKENDS = ("cpu", "stream")
 class TransferEngine:
     """Copies whole KV blocks between the registered device tensors and host blocks.
 
-        ``kv_caches`` are the engine's KV tensors (see :meth:`KVLayout.from_kv_caches`) or a
-        ready :class:`KVLayout`. ``host_blocks`` is a ``[num_host_blocks, host_block_bytes]``
-        uint8 CPU tensor (pinned when the KV tensors are on an accelerator), for example
-        kvtier-blockpool's ``HostRegion.blocks``; host block ``h`` holds every segment of one
-        device block at the layout's offsets.
+    ``kv_caches`` are the engine's KV tensors (see :meth:`KVLayout.from_kv_caches`) or a
+    ready :class:`KVLayout`. ``host_blocks`` is a ``[num_host_blocks, host_block_bytes]``
+    uint8 CPU tensor (pinned when the KV tensors are on an accelerator), for example
+    kvtier-blockpool's ``HostRegion.blocks``; host block ``h`` holds every segment of one
+    device block at the layout's offsets.
 
-        ``backend`` is chosen from the KV tensors' device: ``"cpu"`` for host tensors (vLLM's
-        CPU platform), ``"stream"`` for an accelerator. ``"stream"`` on CPU tensors runs the
-        accelerator data path with immediate streams (for tests). ``cpu_threads`` (default
-        ``torch.get_num_threads()``), ``asynchronous`` (worker threads, default False: see
-        :class:`~kvtier.npu_copy.backends.CPUBackend`) and ``cpu_native`` (the compiled piece
-        copier of :mod:`kvtier.npu_copy.native` when it builds, default True) tune the CPU
-        backend; ``batch_memcpy`` plugs a platform batched copy into the stream backend (default:
-    :func:`~kvtier.npu_copy.platform_dma.platform_batch_memcpy`, vllm-ascend's
-    ``swap_blocks_batch`` on an NPU where it is loaded).
+    ``backend`` is chosen from the KV tensors' device: ``"cpu"`` for host tensors (vLLM's
+    CPU platform), ``"stream"`` for an accelerator. ``"stream"`` on CPU tensors runs the
+    accelerator data path with immediate streams (for tests). ``cpu_threads`` (default
+    ``torch.get_num_threads()``), ``asynchronous`` (worker threads, default False: see
+    :class:`~kvtier.npu_copy.backends.CPUBackend`) and ``cpu_native`` (the compiled piece
+    copier of :mod:`kvtier.npu_copy.native` when it builds, default True) tune the CPU
+    backend. ``batch_memcpy`` plugs a platform batched copy into the stream backend
+    (default: :func:`~kvtier.npu_copy.platform_dma.platform_batch_memcpy`, vllm-ascend's
+    ``swap_blocks_batch`` on an NPU where it is loaded). ``staging_bytes`` (default 32 MiB)
+    is the stream backend's device staging buffer per direction, allocated here once:
+    larger transfers move through it in pieces, and issuing one allocates no device memory.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class TransferEngine:
         asynchronous: bool = False,
         batch_memcpy: BatchMemcpy | None = None,
         require_pinned: bool = True,
+        staging_bytes: int | None = None,
     ) -> None:
         if isinstance(kv_caches, KVLayout):
             if num_blocks is not None and num_blocks != kv_caches.num_blocks:
@@ -93,7 +96,9 @@ class TransferEngine:
             ops = ImmediateStreamOps() if device.type == "cpu" else None
             if batch_memcpy is None:
                 batch_memcpy = platform_batch_memcpy(device.type)
-            self._backend = StreamBackend(layout, host_blocks, ops=ops, batch_memcpy=batch_memcpy)
+            self._backend = StreamBackend(
+                layout, host_blocks, ops=ops, batch_memcpy=batch_memcpy, staging_bytes=staging_bytes
+            )
         self.backend = backend
         self._inflight: list[TransferHandle] = []
 

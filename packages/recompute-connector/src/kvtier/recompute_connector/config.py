@@ -27,6 +27,8 @@ logger = logging.getLogger("kvtier.recompute_connector")
 DEFAULT_TOTAL_BYTES = 8 * 2**30  # the guide's default: 8 GiB for all ranks together
 PREFIX_CACHING_KEY = "enable_offload_prefix_caching"
 SCHEDULER_FLAG_KEY = "recompute_scheduler_enable"  # in --additional-config
+# Device bytes per copy direction that transfers stage through (allocated at start-up).
+STAGING_KEY = "device_staging_bytes"
 # Test-only: flip bytes of host blocks before each restore (proves the tests are sharp).
 CORRUPT_KEY = "kvtier_test_corrupt_restores"
 # Test-only: make the worker's stores or loads fail (exercises the fallbacks end to end).
@@ -38,7 +40,15 @@ TEST_KEYS_SWITCH = "KVTIER_ENABLE_TEST_KEYS"
 TEST_KEY_PREFIX = "kvtier_test_"
 
 KNOWN_KEYS = frozenset(
-    {PER_RANK_KEY, TOTAL_KEY, PREFIX_CACHING_KEY, CORRUPT_KEY, FAIL_STORES_KEY, FAIL_LOADS_KEY}
+    {
+        PER_RANK_KEY,
+        TOTAL_KEY,
+        PREFIX_CACHING_KEY,
+        STAGING_KEY,
+        CORRUPT_KEY,
+        FAIL_STORES_KEY,
+        FAIL_LOADS_KEY,
+    }
 )
 SUPPORTED_ROLES = ("kv_consumer", "kv_both")
 
@@ -56,6 +66,8 @@ class RecomputeOffloadConfig:
             never shared between requests (see README).
         scheduler_flag: the guide's ``recompute_scheduler_enable`` (accepted; vLLM's own
             scheduler is used either way).
+        device_staging_bytes: device bytes per copy direction that an accelerator's
+            transfers stage through, allocated once at start-up (None: npu-copy's default).
         corrupt_restores / fail_stores / fail_loads: test-only fault injection.
     """
 
@@ -64,6 +76,7 @@ class RecomputeOffloadConfig:
     kv_role: str
     enable_offload_prefix_caching: bool = False
     scheduler_flag: bool = False
+    device_staging_bytes: int | None = None
     corrupt_restores: bool = False
     fail_stores: bool = False
     fail_loads: bool = False
@@ -86,7 +99,7 @@ class RecomputeOffloadConfig:
                 "kv_producer node has nothing to resume)"
             )
         world_size = require_positive_int("world_size", world_size)
-        for key in (PER_RANK_KEY, TOTAL_KEY):
+        for key in (PER_RANK_KEY, TOTAL_KEY, STAGING_KEY):
             if extra.get(key) is not None:
                 require_positive_int(key, extra[key])
         test_keys = sorted(k for k in extra if k.startswith(TEST_KEY_PREFIX))
@@ -122,6 +135,7 @@ class RecomputeOffloadConfig:
                 PREFIX_CACHING_KEY, extra.get(PREFIX_CACHING_KEY, False)
             ),
             scheduler_flag=require_bool(SCHEDULER_FLAG_KEY, flag),
+            device_staging_bytes=extra.get(STAGING_KEY),
             corrupt_restores=require_bool(CORRUPT_KEY, extra.get(CORRUPT_KEY, False)),
             fail_stores=require_bool(FAIL_STORES_KEY, extra.get(FAIL_STORES_KEY, False)),
             fail_loads=require_bool(FAIL_LOADS_KEY, extra.get(FAIL_LOADS_KEY, False)),

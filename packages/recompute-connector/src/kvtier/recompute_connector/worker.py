@@ -31,7 +31,7 @@ from typing import Any
 
 from kvtier.blockpool import HostBudget, HostRegion
 from kvtier.npu_copy import KVLayout, TransferEngine, TransferHandle
-from kvtier.recompute_connector.config import RecomputeOffloadConfig
+from kvtier.recompute_connector.config import STAGING_KEY, RecomputeOffloadConfig
 from kvtier.recompute_connector.protocol import StepPlan, TransferJob, WorkerReport
 
 logger = logging.getLogger("kvtier.recompute_connector")
@@ -106,7 +106,14 @@ class RecomputeOffloadWorker:
                 "the workers would disagree on the host block count"
             )
         self.region = HostRegion.private(self.budget.num_blocks, self.budget.block_bytes)
-        self.engine = TransferEngine(layout, self.region.blocks)
+        try:
+            self.engine = TransferEngine(
+                layout, self.region.blocks, staging_bytes=self.config.device_staging_bytes
+            )
+        except ValueError as exc:
+            if "staging_bytes" in str(exc):
+                raise ValueError(f"kv_connector_extra_config {STAGING_KEY}: {exc}") from exc
+            raise
         self.log.info(
             "kvtier: RecomputeCPUOffloadConnector worker rank %d: %s; %d device blocks of "
             "%d bytes over %d KV segments, %s copies",
