@@ -17,6 +17,8 @@ in. The convention:
   plugin registers it afterwards: that plugin's registration is skipped with one log
   line instead of raising (vLLM's factories raise on a duplicate name, and an exception
   in a general plugin stops vLLM).
+
+The version gate needs ``packaging``, which the vLLM-facing packages declare.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import importlib.metadata
 import logging
 import os
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
+if TYPE_CHECKING:
+    from packaging.specifiers import SpecifierSet
+
+# ``packaging`` is imported where the version gate runs: the vLLM-facing packages
+# depend on it, kvtier-blockpool itself needs torch only.
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
@@ -39,6 +43,8 @@ FALSE = ("0", "false", "no", "off")
 def declared_vllm_range(distribution: str) -> SpecifierSet | None:
     """The version range of ``vllm`` in the ``vllm`` extra of an installed distribution,
     or None when the distribution is not installed or declares none."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
     try:
         requirements = importlib.metadata.requires(distribution) or []
     except importlib.metadata.PackageNotFoundError:
@@ -56,6 +62,8 @@ def declared_vllm_range(distribution: str) -> SpecifierSet | None:
 def vllm_supported(version: str, supported: SpecifierSet) -> bool:
     """Whether vLLM ``version`` (e.g. ``0.32.0+cpu``, ``0.33.0rc1``) is in ``supported``,
     comparing its release numbers only."""
+    from packaging.version import InvalidVersion, Version
+
     try:
         release = Version(Version(version).base_version)
     except InvalidVersion:
