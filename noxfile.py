@@ -9,6 +9,7 @@ pip call, and then checks that no sibling came from a package index.
     nox -s test-blockpool   # one package's tests
     nox -s lint typecheck
     nox -s test-npu         # Ascend hardware only; skips elsewhere
+    nox -s "e2e(vllm='0.23.0')"  # engine tests on another vLLM CPU build (CI runs 0.23.0)
 """
 
 from __future__ import annotations
