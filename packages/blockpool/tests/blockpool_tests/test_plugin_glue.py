@@ -44,7 +44,7 @@ def test_missing_distribution_is_refused_with_one_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger=LOG.name):
-        assert not glue.version_gate("kvtier-x", "kvtier-no-such-dist", "0.32.0", LOG)
+        assert not glue.version_gate("kvtier-no-such-dist", "0.32.0", LOG)
     assert len(caplog.records) == 1 and "kvtier-no-such-dist" in caplog.records[0].getMessage()
 
 
@@ -53,8 +53,8 @@ def test_unsupported_version_names_the_range(
 ) -> None:
     monkeypatch.setattr(glue, "declared_vllm_range", lambda dist: SpecifierSet(">=0.23,<0.34"))
     with caplog.at_level(logging.WARNING, logger=LOG.name):
-        assert not glue.version_gate("kvtier-x", "kvtier-x", "0.22.0", LOG)
-        assert glue.version_gate("kvtier-x", "kvtier-x", "0.23.0", LOG)
+        assert not glue.version_gate("kvtier-x", "0.22.0", LOG)
+        assert glue.version_gate("kvtier-x", "0.23.0", LOG)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "0.22.0" in line and "<0.34" in line and ">=0.23" in line
 

@@ -137,3 +137,39 @@ def test_a_child_of_a_multi_connector_subclass_knows_its_parent() -> None:
     parent = Parent()
     assert parent.child.parent is parent
     assert Child().parent is None, "standalone: no parent"
+
+
+@requires_vllm
+def test_a_child_reports_the_top_level_failure_policy(caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from kvtier.recompute_connector.connector import _recompute_failed_restores
+
+    from .ascend_standin import AscendMultiConnector
+
+    def config(policy: str) -> SimpleNamespace:
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy))
+
+    class Parent(AscendMultiConnector):
+        def __init__(self, top: str, child: str) -> None:
+            self._vllm_config = config(top)
+            self.child_config = config(child)
+            _recompute_failed_restores(self.child_config)
+
+    with caplog.at_level(logging.WARNING):
+        # The child's own copy says "recompute"; vLLM's scheduler reads the top level.
+        Parent("fail", "recompute")
+    warnings = [
+        r.getMessage() for r in caplog.records if "kv_load_failure_policy" in r.getMessage()
+    ]
+    assert len(warnings) == 1 and "'fail'" in warnings[0], warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        parent = Parent("recompute", "fail")
+    assert not [r for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+    assert parent.child_config.kv_transfer_config.kv_load_failure_policy == "fail", (
+        "a child never changes a policy that is the user's to choose"
+    )
+    standalone = config("fail")
+    _recompute_failed_restores(standalone)
+    assert standalone.kv_transfer_config.kv_load_failure_policy == "recompute"

@@ -71,22 +71,21 @@ def vllm_supported(version: str, supported: SpecifierSet) -> bool:
     return supported.contains(release, prereleases=True)
 
 
-def version_gate(plugin: str, distribution: str, vllm_version: str, log: logging.Logger) -> bool:
+def version_gate(distribution: str, vllm_version: str, log: logging.Logger) -> bool:
     """True when ``vllm_version`` is in the range ``distribution`` declares; else one
-    warning naming the plugin, the version and the range."""
+    warning naming the distribution, the version and the range."""
     supported = declared_vllm_range(distribution)
     if supported is None:
         log.warning(
-            "%s: cannot read the supported vLLM range from the metadata of %s (is it "
-            "installed with pip?); not registered",
-            plugin,
+            "%s: cannot read the supported vLLM range from its metadata (is it installed "
+            "with pip?); not registered",
             distribution,
         )
         return False
     if not vllm_supported(vllm_version, supported):
         log.warning(
             "%s supports vLLM %s; this is vLLM %s, so nothing is registered",
-            plugin,
+            distribution,
             supported,
             vllm_version or "(unknown version)",
         )

@@ -47,6 +47,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,12 +271,8 @@ def run_chat_scenario(model: Path, sc: Scenario, progress: Any, log_dir: Path) -
             }
         )
         progress.update(1)
-    ref = next(r for r in sc.results if r["role"] == "reference")["run"]
-    alone = next(r for r in sc.results if r["role"] == "alone")
-    for r in sc.results:
-        r["identical"] = replies[r["run"]] == replies[ref]
-        # For chat the user-felt figure is the time to first token.
-        r["vs_alone"] = round(r["ttft_p50_s"] / alone["ttft_p50_s"], 3)
+    # For chat the user-felt figure is the time to first token.
+    _compare_runs(sc, replies, lambda a, b: a == b, "ttft_p50_s")
 
 
 def run_scenario(model: Path, sc: Scenario, progress: Any) -> None:
@@ -304,16 +301,22 @@ def run_scenario(model: Path, sc: Scenario, progress: Any) -> None:
             }
         )
         progress.update(1)
-    ref = next(r for r in sc.results if r["role"] == "reference")["run"]
-    for r in sc.results:
-        r["identical"] = compare_outputs(outputs[ref], outputs[r["run"]]).identical
-    alone = next((r for r in sc.results if r["role"] == "alone"), None) or next(
-        r for r in sc.results if r["role"] == "reference"
-    )
+    _compare_runs(sc, outputs, lambda a, b: compare_outputs(a, b).identical, "wall_s")
+
+
+def _compare_runs(
+    sc: Scenario, outputs: dict[str, Any], same: Callable[[Any, Any], bool], key: str
+) -> None:
+    """Set each result's ``identical`` (its outputs against the reference run's) and
+    ``vs_alone`` (its ``key`` over its baseline's: ``Run.baseline``, else the first
+    vLLM-alone run, else the reference)."""
+    ref = next(r for r in sc.results if r["role"] == "reference")
+    alone = next((r for r in sc.results if r["role"] == "alone"), ref)
     by_label = {r["run"]: r for r in sc.results}
     for run, r in zip(sc.runs, sc.results):
+        r["identical"] = same(outputs[ref["run"]], outputs[r["run"]])
         base = by_label[run.baseline] if run.baseline else alone
-        r["vs_alone"] = round(r["wall_s"] / base["wall_s"], 3) if base["wall_s"] else None
+        r["vs_alone"] = round(r[key] / base[key], 3) if base[key] else None
 
 
 def _goal(goal: str, value: float | None, limit: float, *, at_most: bool) -> dict[str, Any]:

@@ -299,25 +299,26 @@ def _recompute_failed_restores(vllm_config: Any) -> None:
     also governs the other connectors' loads: it is the user's to choose there.
     """
     ktc = getattr(vllm_config, "kv_transfer_config", None)
-    if ktc is None or getattr(ktc, "kv_load_failure_policy", None) == "recompute":
+    if ktc is None:
         return
     parent = parent_multi_connector()
-    if parent is not None:
-        top = getattr(getattr(parent, "_vllm_config", None), "kv_transfer_config", None)
-        if getattr(top, "kv_load_failure_policy", None) == "recompute":
-            return
     if parent is None:
-        ktc.kv_load_failure_policy = "recompute"
-        logger.info(
-            "kvtier: kv_load_failure_policy set to 'recompute': a failed restore is "
-            "recomputed like any preempted request"
-        )
-    else:
+        if getattr(ktc, "kv_load_failure_policy", None) != "recompute":
+            ktc.kv_load_failure_policy = "recompute"
+            logger.info(
+                "kvtier: kv_load_failure_policy set to 'recompute': a failed restore is "
+                "recomputed like any preempted request"
+            )
+        return
+    # A child's own copy of the configuration is not what vLLM's scheduler reads.
+    top = getattr(getattr(parent, "_vllm_config", None), "kv_transfer_config", None)
+    policy = getattr(top, "kv_load_failure_policy", None)
+    if policy != "recompute":
         logger.warning(
             "kvtier: kv_load_failure_policy is %r: a failed restore will fail its request; "
             'set "kv_load_failure_policy": "recompute" on the top-level '
             "kv-transfer-config to recompute it instead",
-            ktc.kv_load_failure_policy,
+            policy,
         )
 
 
@@ -557,20 +558,19 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             stats.gauges["host_blocks"] = self.scheduler.pool.num_blocks
         elif self.worker is not None:
             t = self.worker.take_stats()
-            if t is None:
+            if t is not None:
+                for direction in ("d2h", "h2d"):
+                    for kind, table in (
+                        ("bytes", t.bytes),
+                        ("seconds", t.seconds),
+                        ("blocks", t.blocks),
+                        ("failures", t.failures),
+                    ):
+                        if table[direction]:
+                            stats.counters[f"{kind}_{direction}"] = table[direction]
+            if self._stats_every_step:
                 # Older vLLM polls the scheduler side only when a worker reports stats.
-                return stats if self._stats_every_step else None
-            for direction in ("d2h", "h2d"):
-                for kind, table in (
-                    ("bytes", t.bytes),
-                    ("seconds", t.seconds),
-                    ("blocks", t.blocks),
-                    ("failures", t.failures),
-                ):
-                    if table[direction]:
-                        stats.counters[f"{kind}_{direction}"] = table[direction]
-        if self.worker is not None and self._stats_every_step:
-            return stats
+                return stats
         return None if stats.is_empty() else stats
 
     @classmethod

@@ -27,7 +27,7 @@ ALIAS = "KvtierRecomputeCPUOffloadConnector"
 CONNECTOR_MODULE = "kvtier.recompute_connector.connector"
 ENV_OVERRIDE = "KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR"
 
-_state: dict[str, Any] = {"registered": False, "seed_name": False}
+_state: dict[str, Any] = {"registered": False}
 
 
 def register() -> bool:
@@ -62,7 +62,7 @@ def _register() -> bool:
     )
 
     version = str(getattr(vllm, "__version__", ""))
-    if not version_gate("kvtier-recompute-connector", DISTRIBUTION, version, logger):
+    if not version_gate(DISTRIBUTION, version, logger):
         return False
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -76,7 +76,6 @@ def _register() -> bool:
             KVConnectorFactory, "register_connector", registry, {CONNECTOR_NAME}, logger,
             ENV_OVERRIDE,
         )  # fmt: skip
-    _state["seed_name"] = outcome != "left"
     if outcome == "replaced":
         logger.info(
             "kvtier: %s is kvtier's connector (it replaced another plugin's; set %s=0 to "
@@ -95,8 +94,3 @@ def _register() -> bool:
     else:
         logger.debug("kvtier: registered %s and %s", CONNECTOR_NAME, ALIAS)
     return True
-
-
-def owns_seed_name() -> bool:
-    """Whether this process's ``register()`` made the guide's name kvtier's connector."""
-    return bool(_state["seed_name"])

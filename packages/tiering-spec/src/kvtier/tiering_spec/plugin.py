@@ -76,7 +76,7 @@ def _register() -> None:
     )
 
     version = str(getattr(vllm, "__version__", ""))
-    if not version_gate("kvtier-tiering-spec", DISTRIBUTION, version, logger):
+    if not version_gate(DISTRIBUTION, version, logger):
         return
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
