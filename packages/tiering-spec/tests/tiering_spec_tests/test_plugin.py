@@ -7,11 +7,12 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvtier.tiering_spec import plugin
+
+from .vllm_configs import spec_without_engine as make_spec
 
 vllm = pytest.importorskip("vllm")
 
@@ -64,38 +65,62 @@ def run_py(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def printed(out: subprocess.CompletedProcess[str]) -> list[str]:
+    """What the code printed with ``print("=>", ...)`` (vLLM may log to stdout too)."""
+    return [
+        w for line in out.stdout.splitlines() if line.startswith("=> ") for w in line.split()[1:]
+    ]
+
+
 def test_register_resolves_the_upstream_names_to_kvtier_on_cpu_and_is_idempotent() -> None:
     code = (
         "from kvtier.tiering_spec import plugin\n"
         "plugin.register(); plugin.register()\n"
         "from vllm.v1.kv_offload.factory import OffloadingSpecFactory as F\n"
         "for n in ('CPUOffloadingSpec','TieringOffloadingSpec','KvtierCPUOffloadingSpec'):\n"
-        "    print(n, F.get_spec_cls({'spec_name': n}).__module__)\n"
+        "    print('=>', n, F._registry[n]().__module__)\n"
     )
     out = run_py(code)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("kvtier.tiering_spec.vllm_adapter") == 3, out.stdout
+    assert printed(out).count("kvtier.tiering_spec.vllm_adapter") == 3, out.stdout
 
 
 def test_opt_out_keeps_vllms_names() -> None:
     code = (
         "from kvtier.tiering_spec import plugin\nplugin.register()\n"
         "from vllm.v1.kv_offload.factory import OffloadingSpecFactory as F\n"
-        "print(F._registry['CPUOffloadingSpec']().__module__)\n"
-        "print(F.get_spec_cls({'spec_name': 'KvtierTieringOffloadingSpec'}).__module__)\n"
+        "print('=>', F._registry['CPUOffloadingSpec']().__module__)\n"
+        "print('=>', F._registry['KvtierTieringOffloadingSpec']().__module__)\n"
     )
     out = run_py(code, KVTIER_OVERRIDE_UPSTREAM_SPECS="0")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["vllm.v1.kv_offload.cpu.spec", "kvtier.tiering_spec.vllm_adapter"]
+    assert printed(out) == ["vllm.v1.kv_offload.cpu.spec", "kvtier.tiering_spec.vllm_adapter"]
 
 
 def test_spec_module_path_reaches_kvtier_without_the_plugin() -> None:
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    import importlib
 
-    cls = OffloadingSpecFactory.get_spec_cls(
-        {"spec_name": "KvtierTieringOffloadingSpec", "spec_module_path": "kvtier.tiering_spec"}
-    )
+    # What vLLM's OffloadingSpecFactory does with a name it has not registered.
+    cls = importlib.import_module("kvtier.tiering_spec").KvtierTieringOffloadingSpec
     assert cls.__module__ == "kvtier.tiering_spec.vllm_adapter"
+
+
+def test_the_connector_carries_kvtiers_metrics_only_where_specs_cannot() -> None:
+    code = (
+        "from kvtier.tiering_spec import plugin\nplugin.register()\n"
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as K\n"
+        "print('=>', K._registry['OffloadingConnector']().__module__)\n"
+    )
+    out = run_py(code)
+    assert out.returncode == 0, out.stderr
+    from kvtier.tiering_spec import vllm_compat
+
+    expected = (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
+        if vllm_compat.SPEC_METRICS
+        else "kvtier.tiering_spec.vllm_compat"
+    )
+    assert printed(out) == [expected], out.stdout
 
 
 def test_register_never_raises_and_logs_one_line_on_an_unsupported_vllm(
@@ -106,7 +131,7 @@ def test_register_never_raises_and_logs_one_line_on_an_unsupported_vllm(
     with caplog.at_level(logging.INFO, logger="kvtier.tiering_spec"):
         plugin.register()
     lines = [r.getMessage() for r in caplog.records if "kvtier" in r.getMessage()]
-    assert len(lines) == 1 and "0.40.0" in lines[0] and "0.32" in lines[0]
+    assert len(lines) == 1 and "0.40.0" in lines[0] and ">=0.23" in lines[0], lines
 
 
 def test_register_swallows_errors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,61 +146,49 @@ def test_register_swallows_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 # ------------------------------------------------------------------ specs without an engine
 
 
-def offloading_config(extra: dict[str, Any], *, world_size: int = 1, rank: int = 0) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=65536,
-        enable_kv_cache_events=True,
-        extra_config=extra,
-        engine_id="unit-engine",
-        model=OffloadingModelConfig(name="tiny", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-    )
+@pytest.fixture(scope="module")
+def model() -> Path:
+    testkit = pytest.importorskip("kvtier.testkit")
+    return testkit.make_tiny_llama()  # type: ignore[no-any-return]
 
 
-def test_host_tier_is_sized_from_the_budget_exactly() -> None:
+def test_host_tier_is_sized_from_the_budget_exactly(model: Path) -> None:
     from kvtier.tiering_spec import CPUOffloadingSpec
 
-    spec = CPUOffloadingSpec(offloading_config({"cpu_bytes_to_use": 10 * 65536 + 100}))
+    spec = make_spec(CPUOffloadingSpec, model, {"cpu_bytes_to_use": 10 * 65536 + 100})
     assert spec.num_chunks == 10 and spec.chunk_bytes == 65536
-    spec2 = CPUOffloadingSpec(offloading_config({"cpu_bytes_to_use": 8 * 65536}, world_size=2))
+    spec2 = make_spec(CPUOffloadingSpec, model, {"cpu_bytes_to_use": 8 * 65536}, world_size=2)
     assert spec2.num_chunks == 4, "cpu_bytes_to_use is for all ranks together"
 
 
-def test_start_up_error_names_cpu_bytes_to_use() -> None:
+def test_blocks_per_chunk_sets_the_chunk_vllm_schedules_by(model: Path) -> None:
+    from kvtier.tiering_spec import CPUOffloadingSpec
+
+    extra = {"cpu_bytes_to_use": 8 * 4 * 65536, "blocks_per_chunk": 4}
+    spec = make_spec(CPUOffloadingSpec, model, extra)
+    assert spec.blocks_per_chunk == 4 and spec.num_chunks == 8
+    # Older vLLM schedules chunks by block_size_factor (it reads only block_size).
+    assert getattr(spec, "block_size_factor", 4) == 4
+    by_tokens = make_spec(
+        CPUOffloadingSpec, model, {**extra, "blocks_per_chunk": None, "block_size": 128}
+    )
+    assert by_tokens.blocks_per_chunk == 4
+
+
+def test_start_up_error_names_cpu_bytes_to_use(model: Path) -> None:
     from kvtier.tiering_spec import CPUOffloadingSpec
     from kvtier.tiering_spec.config import ConfigError
 
     with pytest.raises(ConfigError, match="cpu_bytes_to_use is required"):
-        CPUOffloadingSpec(offloading_config({}))
+        make_spec(CPUOffloadingSpec, model, {})
     with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
-        CPUOffloadingSpec(offloading_config({"cpu_bytes_to_use": 100}))
+        make_spec(CPUOffloadingSpec, model, {"cpu_bytes_to_use": 100})
 
 
 def test_declared_metrics_cover_the_excerpts_names(tmp_path: Path) -> None:
-    from kvtier.tiering_spec import CPUOffloadingSpec, TieringOffloadingSpec
+    from kvtier.tiering_spec import CPUOffloadingSpec, TieringOffloadingSpec, vllm_compat
 
-    cpu = CPUOffloadingSpec.build_metric_definitions({"store_threshold": 2})
+    cpu = CPUOffloadingSpec.kvtier_metric_table({"store_threshold": 2})
     for name in (
         "vllm:kv_offload_cpu_cache_usage_perc",
         "vllm:kv_offload_cpu_cache_write_usage_perc",
@@ -184,33 +197,39 @@ def test_declared_metrics_cover_the_excerpts_names(tmp_path: Path) -> None:
         "vllm:kv_offload_stores_skipped",
     ):
         assert name in cpu, name
-    assert "vllm:kv_offload_stores_skipped" not in CPUOffloadingSpec.build_metric_definitions({})
-    tier = TieringOffloadingSpec.build_metric_definitions({})
-    assert "vllm:kvtier_fs_faults" in tier and tier["vllm:kvtier_fs_faults"].labelnames == (
-        "tier",
-        "kind",
-    )
+    assert "vllm:kv_offload_stores_skipped" not in CPUOffloadingSpec.kvtier_metric_table({})
+    table = TieringOffloadingSpec.kvtier_metric_table({})
+    assert table["vllm:kvtier_fs_faults"][2] == ("tier", "kind")
+    if vllm_compat.SPEC_METRICS:  # vLLM asks the spec to declare its metrics
+        tier = TieringOffloadingSpec.build_metric_definitions({})
+        assert set(tier) == set(table)
+        assert tier["vllm:kvtier_fs_faults"].labelnames == ("tier", "kind")
 
 
-def test_manager_through_vllms_interface(tmp_path: Path) -> None:
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+def test_manager_through_vllms_interface(model: Path, tmp_path: Path) -> None:
+    from vllm.v1.kv_offload.base import ReqContext
 
-    from kvtier.tiering_spec import TieringOffloadingSpec
+    from kvtier.tiering_spec import TieringOffloadingSpec, vllm_compat
+    from kvtier.tiering_spec.manager import Lookup
+
+    miss, hit = vllm_compat.lookup_result(Lookup.MISS), vllm_compat.lookup_result(Lookup.HIT)
 
     extra = {
         "cpu_bytes_to_use": 4 * 65536,
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs")}],
     }
-    spec = TieringOffloadingSpec(offloading_config(extra))
+    spec = make_spec(TieringOffloadingSpec, model, extra, kv_events=True)
     mgr = spec.get_manager()
     ctx = ReqContext(req_id="r")
-    assert mgr.lookup(b"k" * 36, ctx) is LookupResult.MISS
+    assert mgr.lookup(b"k" * 36, ctx) is miss
     out = mgr.prepare_store([b"k" * 36], ctx)
     assert out is not None and out.keys_to_store == [b"k" * 36]
     mgr.complete_store(out.keys_to_store, ctx)  # no worker region yet: the write is dropped
-    assert mgr.lookup(b"k" * 36, ctx) is LookupResult.HIT
-    stats = mgr.get_stats()
-    assert stats is not None
+    assert mgr.lookup(b"k" * 36, ctx) is hit
+    if vllm_compat.SPEC_METRICS:  # vLLM asks the manager for its stats
+        assert mgr.get_stats() is not None
+    else:  # kvtier's connector collects them
+        assert any(name == "vllm:kvtier_host_hits" for _, name, _, _ in mgr.collect_metrics())
     events = list(mgr.take_events())
     assert events and events[0].removed is False
     mgr.shutdown()

@@ -16,6 +16,11 @@ first and uses ``spec_module_path`` only for names not registered, and
   leaves vLLM's names alone everywhere. A plugin that registers those names after
   kvtier took them is skipped with one log line.
 
+On vLLM releases whose offloading specs cannot declare metrics (0.23 up to the
+interfaces of 0.32), the connector name ``OffloadingConnector`` also resolves to
+:class:`kvtier.tiering_spec.vllm_compat.OffloadingConnector`: vLLM's connector, which
+also reports the metrics of kvtier's manager (with any other spec, what vLLM's reports).
+
 It follows kvtier's plugin convention (:mod:`kvtier.blockpool.plugin_glue`): the
 supported vLLM range is this distribution's ``vllm`` extra.
 """
@@ -35,6 +40,7 @@ KVTIER_NAMES = {
     "KvtierTieringOffloadingSpec": "TieringOffloadingSpec",
 }
 ENV_OVERRIDE = "KVTIER_OVERRIDE_UPSTREAM_SPECS"
+CONNECTOR = "OffloadingConnector"
 
 _state: dict[str, Any] = {"done": False, "overridden": False}
 
@@ -89,6 +95,10 @@ def _register() -> None:
         return
     for name, cls in KVTIER_NAMES.items():
         claim_name(registry, name, kvtier_loader(MODULE, cls), take=True)
+    from kvtier.tiering_spec import vllm_compat
+
+    if not vllm_compat.SPEC_METRICS:
+        _carry_metrics_in_the_connector(version)
     from vllm.platforms import current_platform
 
     if should_override(current_platform, os.environ.get(ENV_OVERRIDE)):
@@ -111,6 +121,26 @@ def _register() -> None:
             "vLLM's own CPUOffloadingSpec/TieringOffloadingSpec kept (set %s=1 to use kvtier's)",
             ENV_OVERRIDE,
         )
+
+
+def _carry_metrics_in_the_connector(version: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvtier.blockpool.plugin_glue import claim_name, kvtier_loader
+
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if not isinstance(registry, dict):
+        logger.warning("kvtier-tiering-spec: vLLM %s has no connector registry", version)
+        return
+    loader = kvtier_loader("kvtier.tiering_spec.vllm_compat", CONNECTOR)
+    outcome = claim_name(registry, CONNECTOR, loader, take=True)
+    logger.info(
+        "kvtier-tiering-spec: vLLM %s: %s is vLLM's connector that also reports kvtier's "
+        "metrics (%s)",
+        version,
+        CONNECTOR,
+        outcome,
+    )
 
 
 def overridden() -> bool:

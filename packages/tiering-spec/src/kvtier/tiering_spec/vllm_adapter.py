@@ -11,46 +11,30 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import inspect
 import logging
 import os
 import re
 import secrets
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import xxhash
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats,
-)
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
-    Locality,
-    LookupResult,
-    Medium,
-    OffloadingCounterMetadata,
     OffloadingEvent,
-    OffloadingGaugeMetadata,
-    OffloadingHistogramMetadata,
     OffloadingManager,
-    OffloadingMetricMetadata,
-    OffloadingSpec,
-    OffloadingWorker,
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
-    ScheduleEndContext,
-    TransferResult,
 )
-from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.blockpool import HostBlockPool, HostRegion, resolve_budget, round_up
 from kvtier.tiering_spec import metrics as m
+from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.config import (
     ConfigError,
     OffloadConfig,
@@ -60,44 +44,15 @@ from kvtier.tiering_spec.config import (
 from kvtier.tiering_spec.fsformat import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
-from kvtier.tiering_spec.manager import Lookup, TierManager
+from kvtier.tiering_spec.manager import TierManager
 from kvtier.tiering_spec.worker import OffloadTransferWorker
 
 logger = logging.getLogger("kvtier.tiering_spec")
-
-_LOOKUP = {Lookup.HIT: LookupResult.HIT, Lookup.HIT_PENDING: LookupResult.HIT_PENDING}
 
 
 def _region_name(engine_id: str, rank: int) -> str:
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:150] or "engine"
     return f"tiering-{safe}-r{rank}"
-
-
-def _engine_configs() -> tuple[Any, Any]:
-    """The ``VllmConfig`` and ``KVCacheConfig`` of the connector that is building a spec.
-
-    vLLM hands a spec only an ``OffloadingConfig``, which names the model by its path
-    and nothing more; the connector constructor that builds the spec holds both configs
-    as locals (``vllm_config``, ``kv_cache_config``). (None, None) where they are not found.
-    """
-    from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    vllm_config = kv_cache_config = None
-    frame = inspect.currentframe()
-    try:
-        for _ in range(16):
-            if frame is None or (vllm_config is not None and kv_cache_config is not None):
-                break
-            local = frame.f_locals
-            if vllm_config is None and isinstance(local.get("vllm_config"), VllmConfig):
-                vllm_config = local["vllm_config"]
-            if kv_cache_config is None and isinstance(local.get("kv_cache_config"), KVCacheConfig):
-                kv_cache_config = local["kv_cache_config"]
-            frame = frame.f_back
-    finally:
-        del frame
-    return vllm_config, kv_cache_config
 
 
 def _plain(value: Any) -> Any:
@@ -136,18 +91,6 @@ def _tensor_placement(tensor: Any, num_blocks: int) -> Any:
     return fields
 
 
-def block_hash_seed(hash_algo: str) -> str:
-    """How vLLM seeds its block hashes: ``"PYTHONHASHSEED"``, ``"fixed"`` (vLLM's default
-    seed) or ``"random"`` (per process: no key repeats after a restart)."""
-    if os.environ.get("PYTHONHASHSEED") is not None:
-        return "PYTHONHASHSEED"
-    from vllm.v1.core import kv_cache_utils
-
-    if not hasattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED"):
-        return "random"  # vLLM before the fixed default seed drew one per process
-    return "random" if hash_algo.startswith("xxhash") else "fixed"
-
-
 def _engine_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     """What vLLM's configs say about the KV a model computes and how it is keyed: the
     model's config, dtype and overrides, vLLM and its attention backend, the block-hash
@@ -157,14 +100,15 @@ def _engine_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
 
     mc = vllm_config.model_config
     hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
-    seed = block_hash_seed(hash_algo)
+    seed = compat.block_hash_seed(hash_algo)
     if seed == "random":
         logger.warning(
             "kvtier fs tier: vLLM seeds its block hashes (prefix_caching_hash_algo=%s) "
             "with a random value per process, so the files this engine writes are "
             "never found after a restart or by another engine. Set PYTHONHASHSEED to "
-            "one value for every engine, or use prefix_caching_hash_algo=sha256",
+            "one value for every engine%s",
             hash_algo,
+            ", or use prefix_caching_hash_algo=sha256" if compat.FIXED_HASH_SEED else "",
         )
     hf_config = mc.hf_config.to_json_string(use_diff=False)
     draft = vllm_config.speculative_config
@@ -191,31 +135,27 @@ def _engine_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     }
 
 
-class _KvtierSpec(OffloadingSpec):
-    """What both specs share: config validation, budget, worker."""
+class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
+    """What both specs share: config validation, budget, worker.
+
+    vLLM builds a spec from an ``OffloadingConfig`` (vLLM 0.32) or from its
+    ``(vllm_config, kv_cache_config)`` (older releases); :mod:`.vllm_compat` makes both
+    look like the first.
+    """
 
     TIERING = False
 
     @classmethod
-    def build_metric_definitions(
-        cls, extra_config: dict[str, Any]
-    ) -> dict[str, OffloadingMetricMetadata]:
-        out: dict[str, OffloadingMetricMetadata] = {}
-        for name, (kind, doc, labels, buckets) in m.metric_table(
-            extra_config, tiering=cls.TIERING
-        ).items():
-            if kind == "counter":
-                out[name] = OffloadingCounterMetadata(documentation=doc, labelnames=labels)
-            elif kind == "gauge":
-                out[name] = OffloadingGaugeMetadata(documentation=doc, labelnames=labels)
-            else:
-                out[name] = OffloadingHistogramMetadata(
-                    documentation=doc, labelnames=labels, buckets=buckets
-                )
-        return out
+    def kvtier_metric_table(cls, extra_config: Mapping[str, Any]) -> dict[str, m.MetricRow]:
+        return m.metric_table(extra_config, tiering=cls.TIERING)
 
-    def __init__(self, config: OffloadingConfig) -> None:
-        super().__init__(config)
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return compat.metric_definitions(cls.kvtier_metric_table(extra_config))
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        config = self.config
         self.settings: OffloadConfig = parse_config(self.extra_config, tiering=self.TIERING)
         parallel = config.parallel
         self.world_size = max(1, int(parallel.world_size))
@@ -248,7 +188,7 @@ class _KvtierSpec(OffloadingSpec):
         # The connector building this spec holds what identifies the model and the KV
         # layout; only the fs tier's fingerprint needs it.
         configs: tuple[Any, Any] = (
-            _engine_configs() if self.settings.secondary_tiers else (None, None)
+            compat.engine_configs(self) if self.settings.secondary_tiers else (None, None)
         )
         self._vllm_config, self._kv_cache_config = configs
 
@@ -375,7 +315,7 @@ class _KvtierSpec(OffloadingSpec):
     def _host_region(self) -> HostRegion:
         return HostRegion.private(self.num_chunks, self.chunk_bytes)
 
-    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> Any:
         if self._worker is None:
             region = self._host_region()
             try:
@@ -497,11 +437,11 @@ class KvtierOffloadingManager(OffloadingManager):
         self.core = TierManager(spec.new_pool(), tiers)
         self._metrics = m.MetricsEmitter(self.core, tiering=spec.TIERING)
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _LOOKUP.get(self.core.lookup(key, req_context.req_id), LookupResult.MISS)
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        return compat.lookup_result(self.core.lookup(key, req_context.req_id))
 
-    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        return CacheHitSource.HOST if self.core.load_source(key) == "host" else CacheHitSource.DISK
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        return compat.cache_hit_source(self.core.load_source(key))
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return CPULoadStoreSpec(self.core.prepare_load(list(keys)))
@@ -535,20 +475,14 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self.core.pool.take_events():
-            yield OffloadingEvent(
-                keys=list(event.keys), medium=Medium.CPU, removed=event.kind == "removed"
-            )
+            yield compat.offloading_event(list(event.keys), event.kind == "removed")
         for tier in self.core.fs_tiers:
             for removed, keys in tier.take_events():
-                yield OffloadingEvent(
-                    keys=cast(Any, list(keys)),
-                    medium=Medium.STORAGE,
-                    removed=removed,
-                    locality=Locality(tier.cfg.locality),
-                    ownership=tier.name,
+                yield compat.offloading_event(
+                    list(keys), removed, tier=tier.name, locality=tier.cfg.locality
                 )
 
-    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+    def on_schedule_end(self, context: Any = None) -> None:
         self.core.end_step()
 
     def has_pending_work(self) -> bool:
@@ -557,17 +491,12 @@ class KvtierOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         self.core.reset(self.spec.new_pool())
 
-    def get_stats(self) -> OffloadingConnectorStats | None:
-        stats = OffloadingConnectorStats()
-        for kind, name, value, labels in self._metrics.collect():
-            if kind == "counter":
-                if value:
-                    stats.increase_counter(name, value, labels)
-            elif kind == "gauge":
-                stats.set_gauge(name, value, labels)
-            else:
-                stats.observe_histogram(name, value, labels)
-        return None if stats.is_empty() else stats
+    def collect_metrics(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
+        """(kind, name, value, label values) of kvtier's metrics since the last call."""
+        return self._metrics.collect()
+
+    def get_stats(self) -> Any:
+        return compat.manager_stats(self.collect_metrics())
 
     def shutdown(self) -> None:
         self.core.shutdown()
@@ -576,7 +505,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self._regions.clear()
 
 
-class KvtierOffloadingWorker(OffloadingWorker):
+class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type]
     """vLLM's ``OffloadingWorker`` over :class:`OffloadTransferWorker`."""
 
     def __init__(self, core: OffloadTransferWorker) -> None:
@@ -594,7 +523,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         )
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,  # vLLM 0.33: a load vLLM waits for at once; all start at once
+    ) -> bool:
         self.core.submit_load(
             job_id,
             src_spec.block_ids.tolist(),  # type: ignore[attr-defined]
@@ -604,11 +539,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         )
         return True
 
-    def get_finished(self) -> list[TransferResult]:
+    def get_finished(self) -> list[Any]:
         return [
-            TransferResult(
-                job_id=j.job_id, success=j.ok, transfer_size=j.nbytes, transfer_time=j.seconds
-            )
+            compat.transfer_result(j.job_id, j.ok, j.nbytes, j.seconds)
             for j in self.core.get_finished()
         ]
 
