@@ -123,15 +123,22 @@ def test_the_connector_carries_kvtiers_metrics_only_where_specs_cannot() -> None
     assert printed(out) == [expected], out.stdout
 
 
+@pytest.mark.parametrize("version", ["0.22.0", "0.34.0"])
 def test_register_never_raises_and_logs_one_line_on_an_unsupported_vllm(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    version: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(vllm, "__version__", "0.40.0")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    specs, connectors = dict(OffloadingSpecFactory._registry), dict(KVConnectorFactory._registry)
+    monkeypatch.setattr(vllm, "__version__", version)
     monkeypatch.setitem(plugin._state, "done", False)
     with caplog.at_level(logging.INFO, logger="kvtier.tiering_spec"):
         plugin.register()
     lines = [r.getMessage() for r in caplog.records if "kvtier" in r.getMessage()]
-    assert len(lines) == 1 and "0.40.0" in lines[0] and ">=0.23" in lines[0], lines
+    assert len(lines) == 1 and version in lines[0] and ">=0.23" in lines[0], lines
+    assert OffloadingSpecFactory._registry == specs, "registered on an unsupported vLLM"
+    assert KVConnectorFactory._registry == connectors
 
 
 def test_register_swallows_errors(monkeypatch: pytest.MonkeyPatch) -> None:
