@@ -8,6 +8,7 @@ no tokens for requests without remote-prefill parameters. The budget stays the g
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +68,24 @@ def test_guide_configuration_starts_and_restores(
     comparison = compare_outputs(reference.outputs, run.result.outputs)
     assert comparison.identical, comparison.report()
     assert run.counter("tokens_restored") > 0, "the guide's configuration restored nothing"
+
+
+def test_guide_pd_configuration_recomputes_failed_restores(
+    tiny_model: Path, reference: WorkloadResult
+) -> None:
+    """The guide's P/D example sets no kv_load_failure_policy, and vLLM's default fails
+    a request whose load failed: with every restore failing, outputs must still match."""
+    config = copy.deepcopy(GUIDE_MULTI)
+    ours = config["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
+    ours["kvtier_test_fail_loads"] = True
+    run = run_connector(
+        tiny_model,
+        FORCED_PREEMPTION_WORKLOAD,
+        config,
+        additional_config={"recompute_scheduler_enable": True},
+    )
+    comparison = compare_outputs(reference.outputs, run.result.outputs)
+    assert comparison.identical, comparison.report()
+    assert len(run.result.outputs) == len(FORCED_PREEMPTION_WORKLOAD.prompts)
+    assert run.fallbacks().get("load_failed", 0) > 0, run.fallbacks()
+    assert run.counter("tokens_restored") == 0

@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from typing import Any
 
 import pytest
 
@@ -140,36 +141,47 @@ def test_a_child_of_a_multi_connector_subclass_knows_its_parent() -> None:
 
 
 @requires_vllm
-def test_a_child_reports_the_top_level_failure_policy(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_child_sets_the_policy_vllms_scheduler_reads(caplog: pytest.LogCaptureFixture) -> None:
     from types import SimpleNamespace
 
     from kvtier.recompute_connector.connector import _recompute_failed_restores
 
     from .ascend_standin import AscendMultiConnector
 
-    def config(policy: str) -> SimpleNamespace:
-        return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy))
+    def config(policy: str, name: str = "MultiConnector", children: Any = ()) -> Any:
+        return SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(
+                kv_load_failure_policy=policy,
+                kv_connector=name,
+                kv_connector_extra_config={"connectors": list(children)},
+            )
+        )
+
+    guide_children = [
+        {"kv_connector": "MooncakeConnectorV1"},
+        {"kv_connector": "RecomputeCPUOffloadConnector"},
+    ]
 
     class Parent(AscendMultiConnector):
         def __init__(self, top: str, child: str) -> None:
-            self._vllm_config = config(top)
-            self.child_config = config(child)
+            self._vllm_config = config(top, children=guide_children)
+            self.child_config = config(child, "RecomputeCPUOffloadConnector")
             _recompute_failed_restores(self.child_config)
 
     with caplog.at_level(logging.WARNING):
-        # The child's own copy says "recompute"; vLLM's scheduler reads the top level.
-        Parent("fail", "recompute")
+        # vLLM's default at the top level, which is what its scheduler reads.
+        parent = Parent("fail", "fail")
+    assert parent._vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
     warnings = [
         r.getMessage() for r in caplog.records if "kv_load_failure_policy" in r.getMessage()
     ]
-    assert len(warnings) == 1 and "'fail'" in warnings[0], warnings
+    assert len(warnings) == 1, warnings
+    assert "'fail'" in warnings[0] and "MooncakeConnectorV1" in warnings[0], warnings
+    assert "RecomputeCPUOffloadConnector" not in warnings[0]
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         parent = Parent("recompute", "fail")
     assert not [r for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
-    assert parent.child_config.kv_transfer_config.kv_load_failure_policy == "fail", (
-        "a child never changes a policy that is the user's to choose"
-    )
-    standalone = config("fail")
+    standalone = config("fail", "RecomputeCPUOffloadConnector")
     _recompute_failed_restores(standalone)
     assert standalone.kv_transfer_config.kv_load_failure_policy == "recompute"

@@ -28,8 +28,8 @@ The scheduler/worker protocol, and why it is correct under vLLM's step order:
   runs before the forward, and the compute stream waits for the load.
 * A failed load is reported from ``get_block_ids_with_load_errors`` in the same step;
   vLLM then recomputes from the first failed block (``kv_load_failure_policy``
-  ``"recompute"``, which the standalone connector sets; inside ``MultiConnector`` it is
-  the user's choice, and vLLM's default ``"fail"`` fails the request). The host blocks
+  ``"recompute"``, which the connector sets on the configuration vLLM's scheduler reads:
+  its own standalone, its ``MultiConnector``'s as a child). The host blocks
   are freed once every rank reported the load, or at once when R finishes or is
   aborted while restorable.
 """
@@ -292,34 +292,40 @@ def parent_multi_connector() -> Any:
 
 
 def _recompute_failed_restores(vllm_config: Any) -> None:
-    """Standalone, a failed restore must fall back to recompute, never fail the request.
+    """A failed restore must fall back to recompute, never fail the request.
 
-    vLLM's scheduler reads ``kv_load_failure_policy`` right after it builds the
-    connector, so the connector may still set it. Inside ``MultiConnector`` the policy
-    also governs the other connectors' loads: it is the user's to choose there.
+    vLLM's scheduler reads ``kv_load_failure_policy`` from the top-level configuration
+    right after it builds the connector, so the connector may still set it there.
+    Inside ``MultiConnector`` a child's configuration is a private copy: the policy is
+    set on the parent's, where it governs the other connectors' failed loads too (they
+    are then recomputed rather than failing their requests), which is logged.
     """
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    parent = parent_multi_connector()
+    config = vllm_config if parent is None else getattr(parent, "_vllm_config", None)
+    ktc = getattr(config, "kv_transfer_config", None)
     if ktc is None:
         return
-    parent = parent_multi_connector()
-    if parent is None:
-        if getattr(ktc, "kv_load_failure_policy", None) != "recompute":
-            ktc.kv_load_failure_policy = "recompute"
-            logger.info(
-                "kvtier: kv_load_failure_policy set to 'recompute': a failed restore is "
-                "recomputed like any preempted request"
-            )
+    policy = getattr(ktc, "kv_load_failure_policy", None)
+    if policy == "recompute":
         return
-    # A child's own copy of the configuration is not what vLLM's scheduler reads.
-    top = getattr(getattr(parent, "_vllm_config", None), "kv_transfer_config", None)
-    policy = getattr(top, "kv_load_failure_policy", None)
-    if policy != "recompute":
-        logger.warning(
-            "kvtier: kv_load_failure_policy is %r: a failed restore will fail its request; "
-            'set "kv_load_failure_policy": "recompute" on the top-level '
-            "kv-transfer-config to recompute it instead",
-            policy,
+    ktc.kv_load_failure_policy = "recompute"
+    if parent is None:
+        logger.info(
+            "kvtier: kv_load_failure_policy set to 'recompute': a failed restore is "
+            "recomputed like any preempted request"
         )
+        return
+    children = (getattr(ktc, "kv_connector_extra_config", None) or {}).get("connectors") or []
+    own = str(getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector", ""))
+    others = [str(c.get("kv_connector")) for c in children if c.get("kv_connector") != own]
+    logger.warning(
+        "kvtier: kv_load_failure_policy of the %s set from %r to 'recompute', so that a "
+        "failed restore is recomputed; a failed load of its other connectors (%s) is now "
+        "recomputed too instead of failing its request",
+        type(parent).__name__,
+        policy,
+        ", ".join(others) or "none",
+    )
 
 
 class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
