@@ -44,6 +44,38 @@ def test_private_region_has_exact_size_and_block_views() -> None:
     assert region.nbytes == 21000 and not region.shared
 
 
+def _mappings_named(name: str) -> list[tuple[int, int]]:
+    out = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if name in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                out.append((start, end))
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+def test_a_private_region_maps_exactly_its_budget() -> None:
+    """No power-of-two rounding: 12 GiB per rank must pin 12 GiB, not 16. The region is
+    a mapping of its own, so the kernel's view of it is its exact size."""
+    from kvtier.blockpool.region import MEMFD_NAME
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    size = 3 * (16 * page + 123)  # far from a power of two, not a multiple of a page
+    before = set(_mappings_named(MEMFD_NAME))
+    region = HostRegion.private(3, 16 * page + 123)
+    assert region.nbytes == size and region.tensor.untyped_storage().nbytes() == size
+    new = [m for m in _mappings_named(MEMFD_NAME) if m not in before]
+    ptr = region.tensor.data_ptr()
+    assert [m for m in new if m[0] <= ptr < m[1]] == [(ptr, ptr + -(-size // page) * page)], new
+    region.close()
+    del region
+    import gc
+
+    gc.collect()
+    assert [m for m in _mappings_named(MEMFD_NAME) if m not in before] == [], "not unmapped"
+
+
 def test_layer_views_address_each_layer_inside_each_block() -> None:
     region = HostRegion.private(4, 100)
     region.tensor.zero_()

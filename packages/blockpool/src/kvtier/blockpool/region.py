@@ -141,6 +141,9 @@ def cleanup_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+MEMFD_NAME = "kvtier-region"
+
+
 def _pin_description() -> str:
     if not torch.accelerator.is_available():
         return "none"
@@ -174,10 +177,30 @@ def _close_shared(path: str | None, fd: int, owner: bool, registered: torch.Tens
             os.unlink(path)
         except FileNotFoundError:
             pass
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _exact_mapping(size: int) -> torch.Tensor:
+    """``size`` bytes of host memory mapped for this region alone: an anonymous memory
+    file (``memfd``) of exactly ``size`` bytes, which ``/proc/<pid>/maps`` names
+    ``kvtier-region``. Plain anonymous memory where memfd is missing."""
+    memfd_create = getattr(os, "memfd_create", None)
+    if memfd_create is None:
+        return torch.empty(size, dtype=torch.uint8)
+    fd = memfd_create(MEMFD_NAME, getattr(os, "MFD_CLOEXEC", 0))
     try:
-        os.close(fd)
-    except OSError:
-        pass
+        os.ftruncate(fd, size)
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+    finally:
+        os.close(fd)  # the mapping keeps the memory
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 class HostRegion:
@@ -212,7 +235,7 @@ class HostRegion:
         self._closed = False
         self._finalizer = (
             weakref.finalize(self, _close_shared, path, fd, owner, tensor if registered else None)
-            if fd >= 0
+            if fd >= 0 or registered
             else None
         )
 
@@ -237,18 +260,29 @@ class HostRegion:
                 "cpu_bytes_to_use_per_rank"
             )
         accel = _pin_description()
+        # An exactly sized mapping of its own (named in /proc/<pid>/maps), never a
+        # caching allocator's block: torch's pinned host allocator rounds a request up
+        # to a power of two, so 12 GiB would pin 16 GiB.
+        tensor = _exact_mapping(size)
+        registered = False
         if pin and accel != "none":
-            try:
-                tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-                pinned, method = True, f"{accel} pinned host allocator"
-            except RuntimeError as exc:
-                logger.warning(
-                    "kvtier: pinned allocation of %d bytes failed (%s); unpinned", size, exc
-                )
-                tensor = torch.empty(size, dtype=torch.uint8)
-                pinned, method = False, "unpinned (pinned allocation failed)"
+            registered = _cuda_host_register(tensor)
+            if registered:
+                pinned, method = True, f"{accel} host registration of exactly {size} bytes"
+            else:
+                try:
+                    tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                    pinned = True
+                    method = (
+                        f"{accel} pinned host allocator (it may reserve up to "
+                        f"{_power_of_two_at_least(size)} bytes for these {size})"
+                    )
+                except RuntimeError as exc:
+                    logger.warning(
+                        "kvtier: pinned allocation of %d bytes failed (%s); unpinned", size, exc
+                    )
+                    pinned, method = False, "unpinned (pinned allocation failed)"
         else:
-            tensor = torch.empty(size, dtype=torch.uint8)
             pinned = False
             method = "unpinned (no accelerator: host-to-host copies)" if pin else "unpinned"
         logger.info(
@@ -258,7 +292,9 @@ class HostRegion:
             size,
             method,
         )
-        return cls(tensor, num_blocks, block_bytes, pinned=pinned, pin_method=method)
+        return cls(
+            tensor, num_blocks, block_bytes, pinned=pinned, pin_method=method, registered=registered
+        )
 
     @classmethod
     def create_shared(
