@@ -98,6 +98,7 @@ class ConnectorRun:
     in_flight_left: int
     stored_device_blocks: list[list[int]] = field(default_factory=list)
     null_positions_kept: int = 0
+    peak_host_blocks: int = 0
 
     def counter(self, name: str) -> float:
         return self.result.metrics.get("vllm:kvtier_recompute_" + name, 0.0)
@@ -125,6 +126,7 @@ def run_connector(
         worker = worker_connector(llm).worker
         stored: list[list[int]] = []
         nulls = [0]
+        peak = [0]
         original_stores = worker.run_stores
         original_preempted = sched.on_preempted
 
@@ -132,8 +134,9 @@ def run_connector(
             stored.extend(list(j.device_block_ids) for j in jobs)
             original_stores(jobs)
 
-        def on_preempted(req_id: str) -> Any:
-            job = original_preempted(req_id)
+        def on_preempted(req_id: str, *args: Any, **kwargs: Any) -> Any:
+            job = original_preempted(req_id, *args, **kwargs)
+            peak[0] = max(peak[0], sched.host_blocks_in_use)
             state = sched.preempted.get(req_id)
             if job is not None and state is not None:
                 nulls[0] += sum(h is None for g in state.host_blocks for h in g)
@@ -150,6 +153,7 @@ def run_connector(
             sched.num_in_flight,
             stored,
             nulls[0],
+            peak[0],
         )
     finally:
         free_llm(llm)

@@ -16,9 +16,11 @@ op = st.tuples(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(op, max_size=60), st.integers(min_value=1, max_value=2))
-def test_random_event_sequences_keep_invariants_and_free_everything(ops, world_size) -> None:
-    s = RecomputeOffloadScheduler(num_host_blocks=10, groups=[KVGroup(4)], world_size=world_size)
+@given(st.lists(op, max_size=60), st.integers(min_value=1, max_value=2), st.booleans())
+def test_random_event_sequences_keep_invariants_and_free_everything(ops, world_size, share) -> None:
+    s = RecomputeOffloadScheduler(
+        num_host_blocks=10, groups=[KVGroup(4)], world_size=world_size, share_prefix=share
+    )
     tokens = dict.fromkeys(REQS, 0)
     jobs: list[tuple[str, int]] = []
     next_block = iter(range(1, 10_000))
@@ -28,7 +30,9 @@ def test_random_event_sequences_keep_invariants_and_free_everything(ops, world_s
             blocks = [next(next_block) for _ in range(-(-tokens[req] // 4))]
             s.observe_scheduled(req, [blocks], tokens[req] - 5, 5)
         elif kind == "preempt":
-            job = s.on_preempted(req)
+            # Every request has the same prefix: with sharing, its full blocks are shared.
+            hashes = [[f"h{i}".encode() for i in range(tokens[req] // 4)]]
+            job = s.on_preempted(req, hashes, num_tokens=tokens[req] + 1)
             if job is not None:
                 jobs.append(("store", job.job_id))
         elif kind == "report" and jobs:

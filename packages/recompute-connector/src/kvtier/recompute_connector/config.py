@@ -62,8 +62,8 @@ class RecomputeOffloadConfig:
             by :meth:`resolve_budget`, once the bytes of a block are known).
         world_size: ranks sharing ``cpu_bytes_to_use`` (tensor x pipeline parallel).
         kv_role: ``kv_consumer`` or ``kv_both``.
-        enable_offload_prefix_caching: accepted for compatibility; host blocks are
-            never shared between requests (see README).
+        enable_offload_prefix_caching: keep each full, hashed block on host once per
+            prefix-cache hash, shared by reference between preempted requests.
         scheduler_flag: the guide's ``recompute_scheduler_enable`` (accepted; vLLM's own
             scheduler is used either way).
         device_staging_bytes: device bytes per copy direction that an accelerator's

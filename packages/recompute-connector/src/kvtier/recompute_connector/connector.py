@@ -275,6 +275,16 @@ def _rank() -> int:
 # ---------------------------------------------------------------------- the connector
 
 
+def _hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
+    """Tokens per entry of a request's ``block_hashes`` (vLLM hashes at this size)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
+    except Exception:
+        return int(vllm_config.cache_config.block_size)
+
+
 def parent_multi_connector() -> Any:
     """The ``MultiConnector`` (vLLM's or a subclass, such as vllm-ascend's) whose
     constructor is building the caller, or None when the connector stands alone.
@@ -354,6 +364,9 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: RecomputeOffloadScheduler | None = None
         self.worker: RecomputeOffloadWorker | None = None
         self._local_hits: dict[str, int] = {}
+        # Prefix sharing: the requests the scheduler admitted (for their block hashes).
+        self._requests: dict[str, Any] = {}
+        self._hash_block_size = 0
         self._groups = kv_groups(kv_cache_config)
         self._stats_every_step = not vllm_compat.binds_kv_cache_manager()
         self._refresh_every_step = any(g.sliding_window for g in self._groups)
@@ -364,6 +377,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=self._groups,
                 world_size=self.config.world_size,
                 log=logger,
+                share_prefix=self.config.enable_offload_prefix_caching,
             )
             logger.info(
                 "kvtier: RecomputeCPUOffloadConnector scheduler (kv_role %s, "
@@ -377,6 +391,18 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning(
                     "kvtier: this model has KV cache groups that are not paged attention; "
                     "preempted requests will be recomputed as usual"
+                )
+            if self.config.enable_offload_prefix_caching:
+                self._hash_block_size = _hash_block_size(vllm_config, kv_cache_config)
+                hashed = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
+                logger.info(
+                    "kvtier: enable_offload_prefix_caching: full blocks with the same "
+                    "prefix-cache hash are kept on host once, shared between preempted "
+                    "requests%s",
+                    ""
+                    if hashed
+                    else " (but vLLM's prefix caching is off, so blocks carry no hash and "
+                    "nothing is shared: set enable_prefix_caching)",
                 )
             _recompute_failed_restores(vllm_config)
         else:
@@ -441,6 +467,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is None:
             return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
+        if self._hash_block_size:
+            self._requests[request.request_id] = request
         tokens = self.scheduler.restorable_tokens(
             request.request_id, request.num_tokens, num_computed_tokens
         )
@@ -477,7 +505,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 # in this step, from scratch: its old blocks are gone, nothing to keep.
                 sched.running.pop(req_id, None)
                 continue
-            sched.on_preempted(req_id)
+            sched.on_preempted(req_id, *self._block_hashes(req_id))
         manager = getattr(self, "_kv_cache_manager", None)
         for new in scheduler_output.scheduled_new_reqs:
             self._observe(
@@ -505,6 +533,20 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 changed,
             )
         return RecomputeConnectorMetadata(sched.build_step_plan())
+
+    def _block_hashes(self, req_id: str) -> tuple[list[list[bytes]] | None, int | None]:
+        """Per KV cache group, the prefix-cache hash of each full block of the request,
+        and its number of tokens (prefix sharing only)."""
+        request = self._requests.get(req_id)
+        if request is None:
+            return None, None
+        hashes = list(getattr(request, "block_hashes", ()) or ())
+        per_group: list[list[bytes]] = []
+        for group in self._groups:
+            factor = max(1, group.block_size // self._hash_block_size)
+            # A block's hash is the chained hash of its last hash-sized piece.
+            per_group.append(hashes[factor - 1 :: factor])
+        return per_group, int(request.num_tokens)
 
     def _observe(
         self,
@@ -540,6 +582,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self._local_hits.pop(request.request_id, None)
+            self._requests.pop(request.request_id, None)
             self.scheduler.on_finished(request.request_id)
         return False, None
 

@@ -27,6 +27,15 @@ Tokens and blocks:
   last has had its KV computed by a forward whose output was accepted (the last one's
   KV is computed by the next forward), so rejected speculative tokens never count.
   The device prefix cache's hit is subtracted.
+
+Prefix sharing (``enable_offload_prefix_caching``): a full block whose KV is valid and
+that has a prefix-cache hash is kept on host once per (KV cache group, hash), in a
+:class:`SharedBlock` that every preempted request holding it references. A request
+preempted while its full blocks are already on host (stored for another request) adds
+references instead of copying them, and becomes restorable once every block it
+references is stored. Partial and unhashed blocks stay private to their request. A
+shared block is freed with its last reference; if its store fails, every request
+referencing it is recomputed.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.blockpool import HostBlockPool
 from kvtier.recompute_connector.protocol import StepPlan, TransferJob, WorkerReport
@@ -80,6 +90,29 @@ class KVGroup:
     supported: bool = True
 
 
+@dataclass(eq=False)
+class SharedBlock:
+    """One full, hashed block kept once on host for every preempted request holding it.
+
+    Attributes:
+        key: (KV cache group, block hash).
+        owner: its owner in the host pool (one block each).
+        host: the host block.
+        refs: preempted requests referencing it.
+        writer: the store job writing it, 0 once written.
+        ready: its store succeeded on every rank.
+        failed: its store failed (never restored from; freed with its last reference).
+    """
+
+    key: tuple[int, bytes]
+    owner: tuple[str, int]
+    host: int
+    refs: int = 0
+    writer: int = 0
+    ready: bool = False
+    failed: bool = False
+
+
 @dataclass
 class RunningRequest:
     """What the connector knows of a running request (updated every step it runs)."""
@@ -118,6 +151,8 @@ class PreemptedRequestState:
     free_when_done: bool = False
     load_tokens: int = 0
     timed_out: bool = False
+    shared: list[SharedBlock] = field(default_factory=list)
+    stored: bool = False
 
     @property
     def all_host_blocks(self) -> list[int]:
@@ -148,6 +183,8 @@ class RecomputeOffloadScheduler:
         world_size: ranks that copy and report each job.
         null_block_id: vLLM's null block (sliding-window placeholders), never copied.
         log: logger for the user-visible lines (the adapter passes one under ``vllm``).
+        share_prefix: keep full hashed blocks once per hash, shared by reference
+            (``enable_offload_prefix_caching``).
     """
 
     def __init__(
@@ -158,6 +195,7 @@ class RecomputeOffloadScheduler:
         world_size: int = 1,
         null_block_id: int = 0,
         log: logging.Logger | None = None,
+        share_prefix: bool = False,
     ) -> None:
         if not groups:
             raise ValueError("at least one KV cache group is needed")
@@ -175,6 +213,9 @@ class RecomputeOffloadScheduler:
         self._in_flight: dict[int, PreemptedRequestState] = {}
         self._plan = StepPlan()
         self.stats = SchedulerStats()
+        self.share_prefix = share_prefix
+        self.shared: dict[tuple[int, bytes], SharedBlock] = {}
+        self._shared_ids = itertools.count(1)
 
     # ------------------------------------------------------------------ running requests
 
@@ -194,9 +235,18 @@ class RecomputeOffloadScheduler:
 
     # ------------------------------------------------------------------ preemption
 
-    def on_preempted(self, req_id: str) -> TransferJob | None:
+    def on_preempted(
+        self,
+        req_id: str,
+        block_hashes: Sequence[Sequence[bytes]] | None = None,
+        num_tokens: int | None = None,
+    ) -> TransferJob | None:
         """The request was preempted (its device blocks are free now, and may be
-        reused by this very step). Plan the store of its KV, or fall back."""
+        reused by this very step). Plan the store of its KV, or fall back.
+
+        ``block_hashes`` (per group, per block position; prefix sharing only) are the
+        hashes of the request's full blocks, and ``num_tokens`` its tokens now: a block
+        is shared only if its KV is valid (all its tokens but the request's last)."""
         run = self.running.pop(req_id, None)
         self._drop(req_id)  # an older state of the same request is stale now
         if run is None or run.kv_tokens <= 0:
@@ -204,47 +254,122 @@ class RecomputeOffloadScheduler:
         if not self.supported:
             self._fallback(req_id, Fallback.UNSUPPORTED, "its KV cache is not paged attention")
             return None
-        layout: list[list[int | None]] = []
-        device: list[int] = []
-        for group, blocks in zip(self.groups, run.block_ids):
+        valid = run.kv_tokens if num_tokens is None else min(run.kv_tokens, num_tokens - 1)
+        # Per group and position: None (null block), a private device block, an entry
+        # already on host, or a new entry (key, device block) this store writes.
+        slots: list[list[tuple[str, Any]]] = []
+        n_private = n_new = 0
+        new_keys: set[tuple[int, bytes]] = set()
+        for g, (group, blocks) in enumerate(zip(self.groups, run.block_ids)):
             # Clip to the blocks holding KV: speculative lookahead blocks hold none.
             n = min(_ceil_div(run.kv_tokens, group.block_size), len(blocks))
-            kept = [b if b != self.null_block_id else None for b in blocks[:n]]
-            layout.append(kept)
-            device.extend(b for b in kept if b is not None)
-        if not device:
-            return None
-        # Host blocks are owned by the store job, so a request's later copies never mix.
-        owner = next(self._jobs)
-        host = self.pool.allocate_owned(owner, len(device), evict=False)
-        if host is None:
+            hashes = block_hashes[g] if self.share_prefix and block_hashes else ()
+            row: list[tuple[str, Any]] = []
+            for i, b in enumerate(blocks[:n]):
+                if b == self.null_block_id:
+                    row.append(("null", None))
+                    continue
+                key = (g, bytes(hashes[i])) if i < len(hashes) else None
+                if key is None or (i + 1) * group.block_size > valid:
+                    row.append(("private", b))
+                    n_private += 1
+                elif key in self.shared and not self.shared[key].failed:
+                    row.append(("shared", self.shared[key]))
+                elif key in new_keys:
+                    row.append(("private", b))  # the same hash twice in one request
+                    n_private += 1
+                else:
+                    new_keys.add(key)
+                    row.append(("new", (key, b)))
+                    n_new += 1
+            slots.append(row)
+        if n_private + n_new > self.pool.num_free:
             self._fallback(
                 req_id,
                 Fallback.CAPACITY,
-                f"CPU cache free blocks are insufficient ({len(device)} needed, "
+                f"CPU cache free blocks are insufficient ({n_private + n_new} needed, "
                 f"{self.pool.num_free} free of {self.pool.num_blocks})",
             )
             return None
-        it = iter(host)
-        host_layout = tuple([None if b is None else next(it) for b in group] for group in layout)
-        job = TransferJob(owner, req_id, device, list(host), run.kv_tokens)
-        self.pool.pin(host, write=True)
+        # Private host blocks are owned by the store job, so a request's copies never mix.
+        owner = next(self._jobs)
+        private = iter(self.pool.allocate_owned(owner, n_private, evict=False) or [])
+        device: list[int] = []
+        host: list[int] = []
+        entries: list[SharedBlock] = []
+        host_layout: list[list[int | None]] = []
+        for row in slots:
+            hosts: list[int | None] = []
+            for kind, value in row:
+                if kind == "null":
+                    hosts.append(None)
+                    continue
+                if kind == "shared":
+                    entry = value
+                elif kind == "new":
+                    key, b = value
+                    entry_owner = ("shared", next(self._shared_ids))
+                    (block,) = self.pool.allocate_owned(entry_owner, 1, evict=False) or [-1]
+                    entry = SharedBlock(key, entry_owner, block, writer=owner)
+                    self.shared[key] = entry
+                    device.append(b)
+                    host.append(block)
+                else:
+                    h = next(private)
+                    device.append(value)
+                    host.append(h)
+                    hosts.append(h)
+                    continue
+                entry.refs += 1
+                entries.append(entry)
+                hosts.append(entry.host)
+            host_layout.append(hosts)
         state = PreemptedRequestState(
-            req_id, Phase.STORING, run.kv_tokens, host_layout, job.job_id, owner, list(host)
+            req_id, Phase.STORING, run.kv_tokens, tuple(host_layout), 0, owner, shared=entries
         )
         self.preempted[req_id] = state
+        if not device:
+            # Every block is on host already (stored for other requests): no copy.
+            state.stored = True
+            self._settle(state)
+            return None
+        job = TransferJob(owner, req_id, device, host, run.kv_tokens)
+        self.pool.pin(host, write=True)
+        state.job_id, state.pinned = job.job_id, list(host)
         self._in_flight[job.job_id] = state
         self._plan.stores.append(job)
         self.log.info(
             "Recompute preemption offload enabled for request %s: storing %d tokens "
-            "(%d device blocks) to host (%d of %d host blocks in use)",
+            "(%d device blocks%s) to host (%d of %d host blocks in use)",
             req_id,
             run.kv_tokens,
             len(device),
+            f", {len(entries) - n_new} more shared with other requests"
+            if len(entries) > n_new
+            else "",
             self.host_blocks_in_use,
             self.pool.num_blocks,
         )
         return job
+
+    def _settle(self, state: PreemptedRequestState) -> None:
+        """A stored state becomes restorable once every block it shares is stored."""
+        if state.phase != Phase.STORING or not state.stored:
+            return
+        if not all(e.ready for e in state.shared):
+            return
+        state.phase = Phase.RESTORABLE
+        state.ranks_ok = state.ranks_failed = 0
+        self.stats.preemptions_offloaded += 1
+        self.stats.tokens_stored += state.num_tokens
+        self.log.info(
+            "Created recompute offload state for request %s: %d tokens in %d host "
+            "blocks (%d shared), restorable on resume",
+            state.req_id,
+            state.num_tokens,
+            len(state.all_host_blocks),
+            len(state.shared),
+        )
 
     # ------------------------------------------------------------------ resumption
 
@@ -376,27 +501,38 @@ class RecomputeOffloadScheduler:
             return  # other ranks still copying
         failed_any = state.ranks_failed > 0
         if kind == "store":
+            written = [e for e in state.shared if e.writer == job_id]
+            for entry in written:
+                entry.writer = 0
+                if failed_any:
+                    entry.failed = True
+                    if self.shared.get(entry.key) is entry:
+                        del self.shared[entry.key]
+                else:
+                    entry.ready = True
             if state.free_when_done or failed_any or state.timed_out:
                 if failed_any:
                     self._count_fallback(
                         state.req_id, Fallback.STORE_FAILED, "a rank's copy failed"
                     )
                 self._release(state)
-                return
-            del self._in_flight[job_id]
-            self.pool.unpin(state.pinned, write=True)
-            state.pinned = []
-            state.phase = Phase.RESTORABLE
-            state.ranks_ok = state.ranks_failed = 0
-            self.stats.preemptions_offloaded += 1
-            self.stats.tokens_stored += state.num_tokens
-            self.log.info(
-                "Created recompute offload state for request %s: %d tokens in %d host "
-                "blocks, restorable on resume",
-                state.req_id,
-                state.num_tokens,
-                len(state.all_host_blocks),
-            )
+            else:
+                del self._in_flight[job_id]
+                self.pool.unpin(state.pinned, write=True)
+                state.pinned = []
+                state.stored = True
+                self._settle(state)
+            if written:
+                # Requests sharing these blocks: restorable now, or recomputed.
+                for other in list(self.preempted.values()):
+                    if any(e.failed for e in other.shared) and other.phase == Phase.STORING:
+                        self._fallback(
+                            other.req_id,
+                            Fallback.STORE_FAILED,
+                            "the copy of a block it shares with another request failed",
+                        )
+                    else:
+                        self._settle(other)
             return
         # A load: the host copy has served (or failed: the workers reported the device
         # blocks as failed loads and vLLM recomputes them). Either way it is done.
@@ -410,7 +546,8 @@ class RecomputeOffloadScheduler:
     # ------------------------------------------------------------------ internals
 
     def _release(self, state: PreemptedRequestState) -> None:
-        """Forget ``state`` and free its host blocks (its copy in flight has ended)."""
+        """Forget ``state`` and free its host blocks (its copy in flight has ended);
+        a shared block goes with its last reference."""
         if state.pinned:
             self.pool.unpin(state.pinned, write=state.phase == Phase.STORING)
             state.pinned = []
@@ -418,13 +555,20 @@ class RecomputeOffloadScheduler:
             del self.preempted[state.req_id]
         self._in_flight.pop(state.job_id, None)
         self.pool.free_owned(state.owner)
+        for entry in state.shared:
+            entry.refs -= 1
+            if entry.refs == 0:
+                if self.shared.get(entry.key) is entry:
+                    del self.shared[entry.key]
+                self.pool.free_owned(entry.owner)
+        state.shared = []
 
     def _drop(self, req_id: str) -> None:
         """Drop a request's state now, or once its copy in flight ends."""
         state = self.preempted.pop(req_id, None)
         if state is None:
             return
-        if state.job_id in self._in_flight:
+        if state.job_id and state.job_id in self._in_flight:
             state.free_when_done = True  # freed by the workers' report
         else:
             self._release(state)
@@ -470,14 +614,35 @@ class RecomputeOffloadScheduler:
         self.pool.check_invariants()
         live = {s.owner: s for s in self.preempted.values()}
         live.update({s.owner: s for s in self._in_flight.values()})
+        refs: Counter[int] = Counter()
+        entries: dict[int, SharedBlock] = {}
+        for state in live.values():
+            for e in state.shared:
+                refs[id(e)] += 1
+                entries[id(e)] = e
+        for key, e in self.shared.items():
+            assert e.key == key and not e.failed and id(e) in entries, f"{key}: stale entry"
+        for i, e in entries.items():
+            assert e.refs == refs[i], f"{e.key}: {e.refs} references counted, {refs[i]} held"
+            assert self.pool.owned_blocks(e.owner) == [e.host], f"{e.key}: host block lost"
+        owners: set[object] = {o for o, s in live.items() if self.pool.owned_blocks(o)}
+        owners |= {e.owner for e in entries.values()}
         owned = set(self.pool.owners())
-        assert owned == set(live), f"owners differ: pool {owned}, states {set(live)}"
+        assert owned == owners, f"owners differ: pool {owned}, states {owners}"
         for owner, state in live.items():
-            assert sorted(state.all_host_blocks) == sorted(self.pool.owned_blocks(owner))
+            shared = {e.host for e in state.shared}
+            private = [h for h in state.all_host_blocks if h not in shared]
+            assert sorted(private) == sorted(self.pool.owned_blocks(owner))
         for state in self.preempted.values():
             assert not state.free_when_done, "a dropped state is still listed as preempted"
-            in_flight = state.phase != Phase.RESTORABLE
-            assert in_flight == (state.job_id in self._in_flight), f"{state.req_id}: job lost"
+            in_flight = state.job_id in self._in_flight
+            if state.phase == Phase.RESTORABLE:
+                assert not in_flight and state.stored, f"{state.req_id}: restorable too early"
+                assert all(e.ready for e in state.shared), f"{state.req_id}: shares unstored"
+            elif state.phase == Phase.LOADING:
+                assert in_flight, f"{state.req_id}: load job lost"
+            else:
+                assert in_flight != state.stored, f"{state.req_id}: store job lost"
 
     @property
     def num_in_flight(self) -> int:
