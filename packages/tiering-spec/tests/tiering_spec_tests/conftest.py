@@ -78,6 +78,7 @@ def make_tier(tmp_path: Path) -> Iterator[object]:
             enable_events=True,
         )
         made.append(tier)
+        assert tier.wait_scan(30), "the start-up scan did not finish"
         return tier
 
     yield make

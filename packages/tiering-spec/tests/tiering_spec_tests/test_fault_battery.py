@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +183,9 @@ def test_a_capacity_smaller_than_one_file_is_refused(tmp_path: Path) -> None:
 
 def make_fs_tier(root: Path, payload: int = 8192, views: Any = lambda: None) -> FileSystemTier:
     cfg = FsTierConfig(root_dir=str(root), n_read_threads=1, n_write_threads=1)
-    return FileSystemTier(cfg, [{"model": "unit", "rank": 0}], payload, views)
+    tier = FileSystemTier(cfg, [{"model": "unit", "rank": 0}], payload, views)
+    assert tier.wait_scan(30)
+    return tier
 
 
 def test_a_root_dir_writable_by_others_is_refused_with_the_fix(tmp_path: Path) -> None:
@@ -250,6 +253,88 @@ def test_a_link_under_a_block_name_is_neither_indexed_nor_read(tmp_path: Path) -
         )
     assert bytes(region[payload:]) == bytes(payload)
     again.shutdown()
+
+
+# ------------------------------------------------------------------ item 2: never fill a disk
+
+
+def _written_tier(root: Path, keys: list[bytes], payload: int = 8192) -> FileSystemTier:
+    import mmap
+
+    from kvtier.tiering_spec.fsformat import key_digest
+
+    region = mmap.mmap(-1, max(1, len(keys)) * payload)
+    tier = make_fs_tier(root, payload, lambda: [memoryview(region)])
+    for i, k in enumerate(keys):
+        region[i * payload : (i + 1) * payload] = bytes([i + 1]) * payload
+        assert tier.submit_write(k, key_digest(k), i)
+    wait_results(tier, len(keys))
+    return tier
+
+
+def test_without_capacity_bytes_the_tier_takes_half_the_free_space(tmp_path: Path) -> None:
+    tier = _written_tier(tmp_path / "fs", [])
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    assert tier.capacity_is_default and tier.capacity_bytes is not None
+    assert abs(tier.capacity_bytes - free // 2) <= free // 100, (tier.capacity_bytes, free)
+    tier.shutdown()
+
+
+def test_the_restart_scan_removes_damaged_and_stale_files(tmp_path: Path) -> None:
+    from kvtier.tiering_spec.fsformat import TMP_PREFIX, key_digest
+
+    root = tmp_path / "fs"
+    first = _written_tier(root, [b"a", b"b", b"c"])
+    [a], [b] = first.paths(key_digest(b"a")), first.paths(key_digest(b"b"))
+    first.shutdown()
+    os.truncate(a, 0)  # zero-length
+    os.truncate(b, 100)  # wrong size
+    shard = os.path.dirname(a)
+    stale, fresh = os.path.join(shard, TMP_PREFIX + "1-2-3"), os.path.join(shard, TMP_PREFIX + "4")
+    for path in (stale, fresh):
+        open(path, "wb").close()
+    os.utime(stale, (time.time() - 2 * 3600, time.time() - 2 * 3600))
+    again = make_fs_tier(root)
+    assert again.stats.files_indexed_at_start == 1 and again.has(key_digest(b"c"))
+    assert not os.path.exists(a) and not os.path.exists(b), "damaged block files stay"
+    assert not os.path.exists(stale), "an orphaned temporary file past its grace stays"
+    assert os.path.exists(fresh), "a temporary file of a live writer was removed"
+    again.shutdown()
+
+
+def test_the_restart_scan_removes_old_fingerprints_past_the_age_limit(tmp_path: Path) -> None:
+    from kvtier.tiering_spec import fstier
+
+    root = tmp_path / "fs"
+    make_fs_tier(root).shutdown()
+    base = root / fsformat.FORMAT_DIR
+    old, recent = base / ("0" * 32), base / ("1" * 32)
+    for d in (old, recent):
+        (d / "3").mkdir(parents=True)
+        (d / "3" / "x.kv").write_bytes(b"x")
+    past = time.time() - fstier.STALE_FINGERPRINT_AGE_S - 60
+    for path in (old, old / "3"):
+        os.utime(path, (past, past))
+    (base / "weight-digests.json").write_text("{}")
+    tier = make_fs_tier(root)
+    assert not old.exists(), "an unused fingerprint past the age limit stays"
+    assert recent.exists() and (base / "weight-digests.json").exists()
+    tier.shutdown()
+
+
+def test_hits_are_served_before_the_start_up_scan_is_taken_in(tmp_path: Path) -> None:
+    from kvtier.tiering_spec.fsformat import key_digest
+
+    root = tmp_path / "fs"
+    _written_tier(root, [b"a"]).shutdown()
+    cfg = FsTierConfig(root_dir=str(root), n_read_threads=1, n_write_threads=1)
+    tier = FileSystemTier(cfg, [{"model": "unit", "rank": 0}], 8192, lambda: None)
+    # Not waited for: a lookup goes to the disk for a key the index does not hold yet.
+    assert tier.contains(key_digest(b"a"))
+    assert tier.wait_scan(30) and tier.stats.files_indexed_at_start == 1
+    assert tier.used_bytes == tier.entry_bytes, "the entry was counted twice"
+    tier.shutdown()
 
 
 # ------------------------------------------------------------------ the spec's fingerprint

@@ -230,10 +230,44 @@ def test_full_disk_drops_the_write_and_leaves_no_file(make_tier, monkeypatch, ca
         assert tier.submit_write(b"k", key_digest(b"k"), 0)
         [res] = wait_results(tier)
     assert not res.ok and res.fault == "disk_full"
-    assert tier.faults()["disk_full"] == 1 and not tier.has(key_digest(b"k"))
+    # Retried once after evicting, then dropped.
+    assert tier.faults()["disk_full"] == 2 and not tier.has(key_digest(b"k"))
     shard = os.path.dirname(tier.paths(key_digest(b"k"))[0])
     assert os.listdir(shard) == [], "no temporary or partial file may stay"
     assert any("disk_full" in r.getMessage() for r in caplog.records)
+
+
+def test_a_full_disk_evicts_the_oldest_files_and_retries_the_write(
+    make_tier, monkeypatch, caplog
+) -> None:
+    region = Region(12)
+    tier = make_tier(region)
+    keys = [b"old-%d" % i for i in range(10)]
+    for i, k in enumerate(keys):
+        region.fill(0, i, i)
+        assert tier.submit_write(k, key_digest(k), i)
+    wait_results(tier, len(keys))
+    assert tier.used_bytes == 10 * tier.entry_bytes
+    calls = {"n": 0}
+    real = fstier._pwritev
+
+    def full_once(*a: object, **k: object) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fstier, "_pwritev", full_once)
+    region.fill(0, 11, 99)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
+        assert tier.submit_write(b"new", key_digest(b"new"), 11)
+        [res] = [r for r in wait_results(tier, 1) if r.op == "write"]
+    assert res.ok, "the retry after evicting must succeed"
+    assert tier.faults()["disk_full"] == 1 and tier.has(key_digest(b"new"))
+    evicted = [k for k in keys if not tier.has(key_digest(k))]
+    assert evicted == keys[: len(evicted)] and len(evicted) >= fstier.ENOSPC_EVICT_ENTRIES
+    assert tier.capacity_bytes is not None and tier.capacity_bytes < 10 * tier.entry_bytes
+    assert any("capacity lowered" in r.getMessage() for r in caplog.records)
 
 
 def test_failed_rename_is_a_failed_write(make_tier, monkeypatch) -> None:

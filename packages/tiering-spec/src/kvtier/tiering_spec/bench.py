@@ -11,6 +11,9 @@
     is read back, for all three alike. CPU seconds are the process's user + system time.
 (b) the prefix workload on vLLM's CPU platform (needs kvtier-testkit): no offload,
     host tier, host tier + fs tier: hit rates, prompt tokens computed, wall time.
+(c) start-up with ``--startup-files`` block files of an earlier run on disk (sparse
+    files of the right size) against an empty tier: how long the tier's constructor
+    holds up the engine's start, and how long the background scan takes to index them.
 """
 
 from __future__ import annotations
@@ -371,6 +374,58 @@ def print_workload(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def startup_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
+    base = tempfile.mkdtemp(prefix="kvtier-bench-start-", dir=args.dir)
+    payload = 4096
+    cfg = FsTierConfig(root_dir=base, n_read_threads=2, n_write_threads=2)
+    layout = [{"bench": "startup", "rank": 0}]
+    rows: list[dict[str, Any]] = []
+    try:
+        for files in (0, args.startup_files):
+            if files:
+                # Files of an earlier run: sparse, of a block file's exact size.
+                probe = FileSystemTier(cfg, layout, payload, lambda: None)
+                probe.wait_scan()
+                size = probe.file_bytes
+                for i in range(files):
+                    path = probe.paths(key_digest(b"startup-%d" % i))[0]
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+                    os.ftruncate(fd, size)
+                    os.close(fd)
+                probe.shutdown()
+            t0 = time.perf_counter()
+            tier = FileSystemTier(cfg, layout, payload, lambda: None)
+            constructed = time.perf_counter() - t0
+            tier.wait_scan()
+            scanned = time.perf_counter() - t0
+            rows.append(
+                {
+                    "files_on_disk": files,
+                    "indexed": tier.stats.files_indexed_at_start,
+                    "start_s": constructed,
+                    "scan_s": scanned,
+                }
+            )
+            tier.shutdown()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    rows[1]["start_delay_s"] = rows[1]["start_s"] - rows[0]["start_s"]
+    return rows
+
+
+def print_startup(rows: list[dict[str, Any]]) -> None:
+    print("\n(c) fs tier start-up: constructor (holds up the engine) and background scan")
+    print(f"{'files on disk':>14} {'indexed':>9} {'start s':>9} {'scan done s':>12}")
+    for r in rows:
+        print(
+            f"{r['files_on_disk']:>14} {r['indexed']:>9} {r['start_s']:>9.3f} {r['scan_s']:>12.3f}"
+        )
+    delay = rows[-1]["start_delay_s"]
+    verdict = "met" if delay < 1.0 else "NOT met"
+    files = rows[-1]["files_on_disk"]
+    print(f"start-up delayed by {delay:.3f} s with {files} files (goal < 1 s: {verdict})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", help="write the results here")
@@ -382,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sides", nargs="+", default=["plain", "vllm", "kvtier"])
     p.add_argument("--skip-fs", action="store_true", help="skip (a)")
     p.add_argument("--skip-workload", action="store_true", help="skip (b)")
+    p.add_argument("--skip-startup", action="store_true", help="skip (c)")
+    p.add_argument(
+        "--startup-files", type=int, default=100_000, help="files on disk for (c) (100000)"
+    )
     args = p.parse_args(argv)
     result: dict[str, Any] = {}
     if not args.skip_fs:
@@ -390,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_workload:
         result["workload"] = workload_benchmark(args)
         print_workload(result["workload"])
+    if not args.skip_startup:
+        result["startup"] = startup_benchmark(args)
+        print_startup(result["startup"])
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -15,8 +15,14 @@ Guarantees:
   key and its payload matches the checksum; anything else is a *fault*: counted,
   logged once per kind, treated as a miss and removed;
 * the tier keeps at most ``capacity_bytes`` of files, dropping the least recently
-  used first; files of an earlier run with the same fingerprint are indexed at
-  start-up and served.
+  used first; unset, it is half of the filesystem's free space at start (plus what
+  this fingerprint already holds), logged. A write that finds the disk full evicts
+  least recently used entries, lowers the capacity to what is held, and is retried
+  once;
+* files of an earlier run with the same fingerprint are indexed by a background scan
+  (hits are served while it runs); the scan removes stale temporary files, block
+  files of the wrong size, and the directories of other fingerprints unused for
+  ``STALE_FINGERPRINT_AGE_S``.
 
 Units: bytes, unless a name says blocks.
 """
@@ -35,7 +41,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.tiering_spec import fsformat
@@ -46,6 +52,12 @@ logger = logging.getLogger("kvtier.tiering_spec")
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 FAULT_KINDS = ("corrupt", "truncated", "vanished", "unreadable", "disk_full", "write_failed")
 _STALE_TMP_S = 3600.0
+# Without capacity_bytes the tier may fill this share of the free space it found.
+DEFAULT_FREE_FRACTION = 0.5
+# Fingerprint directories (other models or layouts) untouched this long are removed.
+STALE_FINGERPRINT_AGE_S = 7 * 86400.0
+# A disk-full write evicts at least this many entries before its one retry.
+ENOSPC_EVICT_ENTRIES = 8
 
 # Indirections that fault-injection tests replace.
 _pwritev = os.pwritev
@@ -123,6 +135,26 @@ def probe_o_direct(directory: str) -> bool:
             pass
 
 
+@dataclass
+class ScanReport:
+    """What the start-up scan found and removed."""
+
+    files: int = 0
+    entries: list[bytes] = field(default_factory=list)
+    removed_tmp: int = 0
+    removed_bad: int = 0
+    removed_fingerprints: list[str] = field(default_factory=list)
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still put on ``path``'s filesystem."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return int(st.f_bavail) * int(st.f_frsize)
+
+
 def _is_block_file(st: os.stat_result, file_bytes: int) -> bool:
     """A regular file (no symlink, no FIFO) of exactly a block file's size."""
     return stat.S_ISREG(st.st_mode) and st.st_size == file_bytes
@@ -167,6 +199,7 @@ class FileSystemTier:
         self.world_size = len(layouts)
         self.entry_bytes = self.file_bytes * self.world_size
         self.capacity_bytes = cfg.capacity_bytes
+        self.capacity_is_default = cfg.capacity_bytes is None
         if self.capacity_bytes is not None and self.capacity_bytes < self.entry_bytes:
             raise ConfigError(
                 f"capacity_bytes={self.capacity_bytes} of fs tier {name!r} cannot hold one "
@@ -191,6 +224,9 @@ class FileSystemTier:
                 self._write_small_file(desc, json.dumps(dict(layout), indent=2, sort_keys=True))
             self.dirs.append(d)
         self.direct = probe_o_direct(self.dirs[0])
+        self._free_at_start = _free_bytes(cfg.root_dir)
+        if self.capacity_is_default:
+            self.capacity_bytes = self._default_capacity(0)
         self.enable_events = enable_events
         self._events: list[tuple[bool, list[bytes]]] = []
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -223,20 +259,36 @@ class FileSystemTier:
         for t in self._threads:
             t.start()
         self._closed = False
-        self._scan()
+        self._retried: set[bytes] = set()
+        # The start-up scan runs on a thread of its own; poll() takes in what it found.
+        self._scan_result: list[Any] = []
+        self.scan_done = threading.Event()
+        self._scanner = threading.Thread(
+            target=self._scan_in_background, name="kvtier-fs-scan", daemon=True
+        )
+        self._scanner.start()
         logger.info(
             "kvtier fs tier %r at %s: %s I/O, %d read / %d write threads, capacity %s, "
-            "fingerprint(s) %s, %d entries (%d bytes) from earlier runs indexed",
+            "fingerprint(s) %s; files of earlier runs are indexed in the background",
             name,
             cfg.root_dir,
             "O_DIRECT" if self.direct else "buffered (O_DIRECT refused by the filesystem)",
             cfg.n_read_threads,
             cfg.n_write_threads,
-            f"{self.capacity_bytes} bytes" if self.capacity_bytes else "unlimited",
+            f"{self.capacity_bytes} bytes"
+            + (
+                f" (capacity_bytes not set: {DEFAULT_FREE_FRACTION:.0%} of the "
+                f"{self._free_at_start} bytes free)"
+                if self.capacity_is_default
+                else ""
+            ),
             ",".join(fp.hex()[:12] for fp in self.fingerprints),
-            len(self._index),
-            self._used,
         )
+
+    def _default_capacity(self, held: int) -> int:
+        """Half the free space at start plus what this tier's files already hold, at
+        least one entry."""
+        return max(self.entry_bytes, int(DEFAULT_FREE_FRACTION * (self._free_at_start + held)))
 
     # ----------------------------------------------------------------- start-up
 
@@ -250,9 +302,21 @@ class FileSystemTier:
             os.close(fd)
         os.replace(tmp, path)
 
-    def _scan(self) -> None:
-        """Index the entries every rank has a file for, oldest first; drop stale temp files."""
+    def _scan_in_background(self) -> None:
+        try:
+            self._scan_result.append(self._scan())
+        except Exception as exc:  # a scan that fails leaves the tier empty, never broken
+            logger.warning("kvtier fs tier %r: start-up scan failed (%s)", self.name, exc)
+            self._scan_result.append(None)
+        finally:
+            self.scan_done.set()
+
+    def _scan(self) -> ScanReport:
+        """Find the entries every rank has a file for (oldest first) and clean up: stale
+        temporary files, block files of the wrong size, and old fingerprints' folders.
+        Runs on the scanner thread: it touches the disk and its report, nothing else."""
         now = time.time()
+        report = ScanReport()
         per_rank: list[dict[bytes, float]] = []
         for d in self.dirs:
             found: dict[bytes, float] = {}
@@ -264,10 +328,12 @@ class FileSystemTier:
                     continue
                 with it:
                     for entry in it:
+                        report.files += 1
                         if entry.name.startswith(fsformat.TMP_PREFIX):
                             try:
                                 if now - entry.stat().st_mtime > _STALE_TMP_S:
                                     os.unlink(entry.path)
+                                    report.removed_tmp += 1
                             except OSError:
                                 pass
                             continue
@@ -280,16 +346,86 @@ class FileSystemTier:
                             continue
                         if _is_block_file(st, self.file_bytes):
                             found[digest] = st.st_mtime
+                        elif stat.S_ISREG(st.st_mode):
+                            # A block file can only have one size here (renamed into
+                            # place whole): zero-length or another size is damage.
+                            try:
+                                os.unlink(entry.path)
+                                report.removed_bad += 1
+                            except OSError:
+                                pass
             per_rank.append(found)
         common = set(per_rank[0])
         for found in per_rank[1:]:
             common &= set(found)
-        for digest in sorted(common, key=per_rank[0].__getitem__):
+        report.entries = sorted(common, key=per_rank[0].__getitem__)
+        report.removed_fingerprints = self._remove_old_fingerprints(now)
+        return report
+
+    def _remove_old_fingerprints(self, now: float) -> list[str]:
+        """Remove other fingerprints' folders untouched for ``STALE_FINGERPRINT_AGE_S``."""
+        base = os.path.join(self.cfg.root_dir, fsformat.FORMAT_DIR)
+        mine = {os.path.basename(d) for d in self.dirs}
+        removed: list[str] = []
+        try:
+            candidates = [e for e in os.scandir(base) if e.name not in mine]
+        except OSError:
+            return removed
+        for entry in candidates:
+            if len(entry.name) != 32 or not entry.is_dir(  # 16-byte fingerprints, in hex
+                follow_symlinks=False
+            ):
+                continue
+            try:
+                # A write renames a file into a shard folder, which updates its mtime.
+                newest = max(
+                    [entry.stat(follow_symlinks=False).st_mtime]
+                    + [s.stat(follow_symlinks=False).st_mtime for s in os.scandir(entry.path)]
+                )
+            except OSError:
+                continue
+            if now - newest > STALE_FINGERPRINT_AGE_S:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.name)
+        return removed
+
+    def _take_scan(self) -> None:
+        """Index what the start-up scan found (scheduler thread; once)."""
+        if not self._scan_result:
+            return
+        report = self._scan_result.pop()
+        if report is None:
+            return
+        # Older than anything this run indexed: put at the LRU end, oldest first.
+        for digest in reversed(report.entries):
+            if digest in self._index or digest in self._writing or digest in self._unlinking:
+                continue
             self._index[digest] = _Entry(self.entry_bytes, None)
+            self._index.move_to_end(digest, last=False)
             self._used += self.entry_bytes
-        self.stats.files_indexed_at_start = len(self._index)
-        if self.capacity_bytes is not None:
-            self._make_room(0)
+        self.stats.files_indexed_at_start = len(report.entries)
+        if self.capacity_is_default:
+            self.capacity_bytes = self._default_capacity(len(report.entries) * self.entry_bytes)
+        self._make_room(0)
+        logger.info(
+            "kvtier fs tier %r: start-up scan found %d files, indexed %d entries (%d bytes) "
+            "of earlier runs, removed %d stale temporary and %d damaged files and %d unused "
+            "fingerprint folder(s); capacity %d bytes",
+            self.name,
+            report.files,
+            len(report.entries),
+            len(report.entries) * self.entry_bytes,
+            report.removed_tmp,
+            report.removed_bad,
+            len(report.removed_fingerprints),
+            self.capacity_bytes or 0,
+        )
+
+    def wait_scan(self, timeout: float | None = None) -> bool:
+        """Wait for the start-up scan and index its findings; True when done."""
+        done = self.scan_done.wait(timeout)
+        self._take_scan()
+        return done
 
     # ----------------------------------------------------------------- paths
 
@@ -450,6 +586,8 @@ class FileSystemTier:
 
     def poll(self) -> list[FsResult]:
         """Finished jobs since the last call; updates the index and counters."""
+        if self._scan_result:
+            self._take_scan()
         out: list[FsResult] = []
         results = self._results
         while results:
@@ -468,6 +606,7 @@ class FileSystemTier:
                 self._writing.discard(digest)
                 self._reserved -= self.entry_bytes
                 if res.ok:
+                    self._retried.discard(digest)
                     self._index[digest] = _Entry(self.entry_bytes, res.key)
                     self._used += self.entry_bytes
                     self.stats.writes += 1
@@ -475,6 +614,8 @@ class FileSystemTier:
                     self.stats.write_seconds += res.seconds
                     if self.enable_events:
                         self._events.append((False, [res.key]))
+                elif res.fault == "disk_full" and self._retry_on_full_disk(res, digest):
+                    continue
                 else:
                     self._fault(res.fault or "write_failed", res)
             else:
@@ -496,6 +637,34 @@ class FileSystemTier:
         self.stats.used_bytes = self._used
         self.stats.entries = len(self._index)
         return out
+
+    def _retry_on_full_disk(self, res: FsResult, digest: bytes) -> bool:
+        """The disk filled up before the tier's capacity did: hold no more than what is
+        on disk now less ``ENOSPC_EVICT_ENTRIES`` entries (logged), evict least recently
+        used entries down to that, and write once more. False (not retried) for a
+        second failure of the same write, or when no room can be made."""
+        if digest in self._retried or self._closed or self._views is None:
+            self._retried.discard(digest)
+            return False
+        lowered = max(self.entry_bytes, self._used - (ENOSPC_EVICT_ENTRIES - 1) * self.entry_bytes)
+        if self.capacity_bytes is None or self.capacity_bytes > lowered:
+            logger.warning(
+                "kvtier fs tier %r: the disk is full with %d bytes of this tier's files; "
+                "capacity lowered from %s to %d bytes, least recently used files evicted",
+                self.name,
+                self._used,
+                self.capacity_bytes,
+                lowered,
+            )
+            self.capacity_bytes = lowered
+        if not self._make_room(self.entry_bytes):
+            return False
+        self._fault("disk_full", res)
+        self._retried.add(digest)
+        self._writing.add(digest)
+        self._reserved += self.entry_bytes
+        self._submit(self._writers, self._write_task, res.key, digest, res.block_id, self._views)
+        return True
 
     def _fault(self, kind: str, res: FsResult) -> None:
         self._faults[kind] = self._faults.get(kind, 0) + 1
