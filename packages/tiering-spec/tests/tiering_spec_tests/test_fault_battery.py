@@ -337,6 +337,31 @@ def test_hits_are_served_before_the_start_up_scan_is_taken_in(tmp_path: Path) ->
     tier.shutdown()
 
 
+# ------------------------------------------------------------------ item 4: storage never blocks
+
+
+def test_a_shard_folder_deleted_at_run_time_is_made_again(tmp_path: Path) -> None:
+    import mmap
+
+    from kvtier.tiering_spec.fsformat import key_digest
+
+    payload = 8192
+    region = mmap.mmap(-1, 2 * payload)
+    tier = make_fs_tier(tmp_path / "fs", payload, lambda: [memoryview(region)])
+    [path] = tier.paths(key_digest(b"k"))
+    shutil.rmtree(os.path.dirname(os.path.dirname(path)))  # the whole fingerprint folder
+    region[:payload] = b"\x05" * payload
+    assert tier.submit_write(b"k", key_digest(b"k"), 0)
+    [res] = wait_results(tier)
+    assert res.ok and os.path.isfile(path) and tier.stats.folders_recreated >= 1
+    assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    region[:payload] = bytes(payload)
+    assert tier.submit_read(b"k", key_digest(b"k"), 0)
+    [res] = wait_results(tier)
+    assert res.ok and region[:payload] == b"\x05" * payload
+    tier.shutdown()
+
+
 # ------------------------------------------------------------------ the spec's fingerprint
 
 

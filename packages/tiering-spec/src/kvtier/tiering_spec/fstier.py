@@ -93,6 +93,7 @@ class FsStats:
     write_seconds: float = 0.0
     writes_dropped: int = 0
     evictions: int = 0
+    folders_recreated: int = 0
     used_bytes: int = 0
     entries: int = 0
 
@@ -798,7 +799,16 @@ class FileSystemTier:
         )
         tmp = self._tmp_name(os.path.dirname(path))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
-        fd = os.open(tmp, flags, 0o600)
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:
+            # Its folder was deleted while the engine ran: made again (checked like the
+            # others at start-up), then the write goes on.
+            shard = os.path.dirname(path)
+            make_private_directory(os.path.dirname(shard), "fs tier directory")
+            make_private_directory(shard, "fs tier directory")
+            self.stats.folders_recreated += 1
+            fd = os.open(tmp, flags, 0o600)
         try:
             try:
                 total = self.file_bytes
