@@ -323,21 +323,45 @@ def test_the_restart_scan_removes_old_fingerprints_past_the_age_limit(tmp_path: 
     tier.shutdown()
 
 
-def test_hits_are_served_before_the_start_up_scan_is_taken_in(tmp_path: Path) -> None:
+def test_the_engine_starts_before_the_scan_ends_and_serves_what_it_finds(
+    tmp_path: Path,
+) -> None:
     from kvtier.tiering_spec.fsformat import key_digest
 
     root = tmp_path / "fs"
     _written_tier(root, [b"a"]).shutdown()
     cfg = FsTierConfig(root_dir=str(root), n_read_threads=1, n_write_threads=1)
     tier = FileSystemTier(cfg, [{"model": "unit", "rank": 0}], 8192, lambda: None)
-    # Not waited for: a lookup goes to the disk for a key the index does not hold yet.
-    assert tier.contains(key_digest(b"a"))
     assert tier.wait_scan(30) and tier.stats.files_indexed_at_start == 1
-    assert tier.used_bytes == tier.entry_bytes, "the entry was counted twice"
+    assert tier.contains(key_digest(b"a")) and tier.used_bytes == tier.entry_bytes
     tier.shutdown()
 
 
 # ------------------------------------------------------------------ item 4: storage never blocks
+
+
+def test_a_lookup_never_touches_the_filesystem(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    from kvtier.tiering_spec.fsformat import key_digest
+
+    tier = _written_tier(tmp_path / "fs", [b"a"])
+    main = threading.get_ident()
+    calls: list[str] = []
+    for name in ("stat", "lstat", "open", "scandir", "listdir"):
+        real = getattr(os, name)
+
+        def spy(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+            if threading.get_ident() == main:
+                calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(os, name, spy)
+    assert tier.contains(key_digest(b"a"))
+    assert not tier.contains(key_digest(b"missing"))
+    assert calls == [], f"the scheduler thread called {calls}"
+    monkeypatch.undo()
+    tier.shutdown()
 
 
 def test_a_shard_folder_deleted_at_run_time_is_made_again(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -325,6 +326,11 @@ def test_a_file_written_by_another_engine_is_found_on_lookup(make_tier, tmp_path
     writer = make_tier(region)
     data = write(writer, region, b"new", 0, 4)
     region.ranks[0][:] = bytes(len(region.ranks[0]))
+    # Found by the reader's background look for new files, not by its lookup.
+    deadline = time.monotonic() + 10 * fstier.DISCOVER_INTERVAL_S
+    while not reader.contains(key_digest(b"new")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        reader.poll()
     assert reader.contains(key_digest(b"new"))
     assert read(reader, b"new", 1).ok and region.block(0, 1) == data
 

@@ -20,9 +20,12 @@ Guarantees:
   least recently used entries, lowers the capacity to what is held, and is retried
   once;
 * files of an earlier run with the same fingerprint are indexed by a background scan
-  (hits are served while it runs); the scan removes stale temporary files, block
-  files of the wrong size, and the directories of other fingerprints unused for
-  ``STALE_FINGERPRINT_AGE_S``.
+  (the engine starts at once); the scan removes stale temporary files, block files of
+  the wrong size, and the directories of other fingerprints unused for
+  ``STALE_FINGERPRINT_AGE_S``. The same thread then looks for files that other engines
+  sharing ``root_dir`` write (every ``DISCOVER_INTERVAL_S``, re-reading only shard
+  folders whose modification time changed), so a lookup never touches the filesystem:
+  the scheduler thread works on the in-memory index alone.
 
 Units: bytes, unless a name says blocks.
 """
@@ -56,6 +59,8 @@ _STALE_TMP_S = 3600.0
 DEFAULT_FREE_FRACTION = 0.5
 # Fingerprint directories (other models or layouts) untouched this long are removed.
 STALE_FINGERPRINT_AGE_S = 7 * 86400.0
+# How often the background thread looks for files written by other engines.
+DISCOVER_INTERVAL_S = 1.0
 # A disk-full write evicts at least this many entries before its one retry.
 ENOSPC_EVICT_ENTRIES = 8
 
@@ -264,6 +269,9 @@ class FileSystemTier:
         # The start-up scan runs on a thread of its own; poll() takes in what it found.
         self._scan_result: list[Any] = []
         self.scan_done = threading.Event()
+        self._stop = threading.Event()
+        self._discovered: deque[set[bytes]] = deque()
+        self._shard_mtimes: dict[str, int] = {}
         self._scanner = threading.Thread(
             target=self._scan_in_background, name="kvtier-fs-scan", daemon=True
         )
@@ -311,6 +319,71 @@ class FileSystemTier:
             self._scan_result.append(None)
         finally:
             self.scan_done.set()
+        while not self._stop.wait(DISCOVER_INTERVAL_S):
+            try:
+                found = self._discover()
+            except Exception:  # never fatal: the next round tries again
+                continue
+            if found:
+                self._discovered.append(found)
+
+    def _discover(self) -> set[bytes]:
+        """Entries on disk for every rank in shard folders changed since the last look
+        (files other engines wrote; this tier's own are indexed already)."""
+        found: set[bytes] = set()
+        for shard in range(fsformat.NUM_SHARDS):
+            changed = False
+            for d in self.dirs:
+                sd = os.path.join(d, f"{shard:x}")
+                try:
+                    mtime = os.stat(sd, follow_symlinks=False).st_mtime_ns
+                except OSError:
+                    continue
+                if self._shard_mtimes.get(sd) != mtime:
+                    self._shard_mtimes[sd] = mtime
+                    changed = True
+            if not changed:
+                continue
+            common: set[bytes] | None = None
+            for d in self.dirs:
+                present: set[bytes] = set()
+                try:
+                    with os.scandir(os.path.join(d, f"{shard:x}")) as it:
+                        for entry in it:
+                            digest = fsformat.parse_file_name(entry.name)
+                            if digest is None:
+                                continue
+                            try:
+                                st = entry.stat(follow_symlinks=False)
+                            except OSError:
+                                continue
+                            if _is_block_file(st, self.file_bytes):
+                                present.add(digest)
+                except OSError:
+                    present = set()
+                common = present if common is None else common & present
+            found |= common or set()
+        return found
+
+    def _note_own_change(self, shard_dir: str) -> None:
+        """This tier changed ``shard_dir`` (an I/O thread): the background look for other
+        engines' files need not read it again for that. A change by another engine in
+        the same instant goes unseen until the folder changes again (a miss, no harm)."""
+        try:
+            self._shard_mtimes[shard_dir] = os.stat(shard_dir, follow_symlinks=False).st_mtime_ns
+        except OSError:
+            pass
+
+    def _take_discovered(self) -> None:
+        """Index what the background thread found on disk (scheduler thread)."""
+        while self._discovered:
+            for digest in self._discovered.popleft():
+                if digest in self._index or digest in self._writing or digest in self._unlinking:
+                    continue
+                self._index[digest] = _Entry(self.entry_bytes, None)
+                self._index.move_to_end(digest, last=False)
+                self._used += self.entry_bytes
+            self._make_room(0)
 
     def _scan(self) -> ScanReport:
         """Find the entries every rank has a file for (oldest first) and clean up: stale
@@ -324,6 +397,7 @@ class FileSystemTier:
             for shard in range(fsformat.NUM_SHARDS):
                 sd = os.path.join(d, f"{shard:x}")
                 try:
+                    self._shard_mtimes[sd] = os.stat(sd, follow_symlinks=False).st_mtime_ns
                     it = os.scandir(sd)
                 except OSError:
                     continue
@@ -443,27 +517,13 @@ class FileSystemTier:
     # ----------------------------------------------------------------- queries
 
     def contains(self, digest: bytes) -> bool:
-        """Whether the tier holds ``digest``: indexed, or on disk for every rank
-        (written by another engine sharing ``root_dir`` since start-up)."""
+        """Whether the tier holds ``digest``, from the in-memory index alone (files other
+        engines write are added to it in the background)."""
         self.stats.queries += 1
         if digest in self._index:
             self.stats.hits += 1
             return True
-        if digest in self._writing or digest in self._unlinking:
-            return False
-        paths = self.paths(digest)
-        try:
-            if not all(_is_block_file(os.lstat(p), self.file_bytes) for p in paths):
-                return False
-        except OSError:
-            return False
-        self._index[digest] = _Entry(self.entry_bytes, None)
-        self._used += self.entry_bytes
-        self._make_room(0, protect=digest)
-        if digest not in self._index:
-            return False
-        self.stats.hits += 1
-        return True
+        return False
 
     def has(self, digest: bytes) -> bool:
         """Indexed or being written (no disk access, no counters)."""
@@ -589,6 +649,8 @@ class FileSystemTier:
         """Finished jobs since the last call; updates the index and counters."""
         if self._scan_result:
             self._take_scan()
+        if self._discovered:
+            self._take_discovered()
         out: list[FsResult] = []
         results = self._results
         while results:
@@ -700,6 +762,8 @@ class FileSystemTier:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
+        self._scanner.join(timeout=10)
         for t in self._threads:
             (self._readers if "read" in t.name else self._writers).put(None)
         for t in self._threads:
@@ -823,6 +887,7 @@ class FileSystemTier:
             finally:
                 os.close(fd)
             _rename(tmp, path)
+            self._note_own_change(os.path.dirname(path))
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -897,6 +962,7 @@ class FileSystemTier:
         for path in paths:
             try:
                 os.unlink(path)
+                self._note_own_change(os.path.dirname(path))
             except OSError:
                 pass
         self._results.append(FsResult("unlink", digest, -1, True))
