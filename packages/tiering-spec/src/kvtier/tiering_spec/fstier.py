@@ -43,7 +43,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +159,17 @@ def _free_bytes(path: str) -> int:
     except OSError:
         return 0
     return int(st.f_bavail) * int(st.f_frsize)
+
+
+def _named_entry(entry: os.DirEntry[str]) -> tuple[bytes, os.stat_result] | None:
+    """(key digest, lstat) of a directory entry named like a block file, else None."""
+    digest = fsformat.parse_file_name(entry.name)
+    if digest is None:
+        return None
+    try:
+        return digest, entry.stat(follow_symlinks=False)
+    except OSError:
+        return None
 
 
 def _is_block_file(st: os.stat_result, file_bytes: int) -> bool:
@@ -350,15 +361,9 @@ class FileSystemTier:
                 try:
                     with os.scandir(os.path.join(d, f"{shard:x}")) as it:
                         for entry in it:
-                            digest = fsformat.parse_file_name(entry.name)
-                            if digest is None:
-                                continue
-                            try:
-                                st = entry.stat(follow_symlinks=False)
-                            except OSError:
-                                continue
-                            if _is_block_file(st, self.file_bytes):
-                                present.add(digest)
+                            named = _named_entry(entry)
+                            if named is not None and _is_block_file(named[1], self.file_bytes):
+                                present.add(named[0])
                 except OSError:
                     present = set()
                 common = present if common is None else common & present
@@ -377,13 +382,18 @@ class FileSystemTier:
     def _take_discovered(self) -> None:
         """Index what the background thread found on disk (scheduler thread)."""
         while self._discovered:
-            for digest in self._discovered.popleft():
-                if digest in self._index or digest in self._writing or digest in self._unlinking:
-                    continue
-                self._index[digest] = _Entry(self.entry_bytes, None)
-                self._index.move_to_end(digest, last=False)
-                self._used += self.entry_bytes
+            self._index_found(self._discovered.popleft())
             self._make_room(0)
+
+    def _index_found(self, digests: Iterable[bytes]) -> None:
+        """Index files found on disk as the least recently used entries, each put in
+        front of the ones before it (scheduler thread)."""
+        for digest in digests:
+            if digest in self._index or digest in self._writing or digest in self._unlinking:
+                continue
+            self._index[digest] = _Entry(self.entry_bytes, None)
+            self._index.move_to_end(digest, last=False)
+            self._used += self.entry_bytes
 
     def _scan(self) -> ScanReport:
         """Find the entries every rank has a file for (oldest first) and clean up: stale
@@ -412,13 +422,10 @@ class FileSystemTier:
                             except OSError:
                                 pass
                             continue
-                        digest = fsformat.parse_file_name(entry.name)
-                        if digest is None:
+                        named = _named_entry(entry)
+                        if named is None:
                             continue
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except OSError:
-                            continue
+                        digest, st = named
                         if _is_block_file(st, self.file_bytes):
                             found[digest] = st.st_mtime
                         elif stat.S_ISREG(st.st_mode):
@@ -471,13 +478,8 @@ class FileSystemTier:
         report = self._scan_result.pop()
         if report is None:
             return
-        # Older than anything this run indexed: put at the LRU end, oldest first.
-        for digest in reversed(report.entries):
-            if digest in self._index or digest in self._writing or digest in self._unlinking:
-                continue
-            self._index[digest] = _Entry(self.entry_bytes, None)
-            self._index.move_to_end(digest, last=False)
-            self._used += self.entry_bytes
+        # Older than anything this run indexed: at the LRU end, oldest first.
+        self._index_found(reversed(report.entries))
         self.stats.files_indexed_at_start = len(report.entries)
         if self.capacity_is_default:
             self.capacity_bytes = self._default_capacity(len(report.entries) * self.entry_bytes)

@@ -53,6 +53,7 @@ CONFIG_API = importlib.util.find_spec("vllm.v1.kv_offload.config") is not None
 LOOKUP_RESULT = hasattr(_base, "LookupResult")
 EVENT_MEDIUM = hasattr(_base, "Medium")
 SPEC_METRICS = hasattr(OffloadingSpec, "build_metric_definitions")
+WORKER_API = hasattr(_base, "OffloadingWorker")
 
 # -- spec construction ------------------------------------------------------------------
 
@@ -186,7 +187,6 @@ def legacy_offloading_config(vllm_config: Any, kv_cache_config: Any) -> LegacyOf
     )
 
 
-WORKER_API = hasattr(_base, "OffloadingWorker")
 # The base of kvtier's worker: vLLM 0.32's ABC, or nothing where vLLM has handlers.
 WorkerBase: type = getattr(_base, "OffloadingWorker", object)
 
@@ -219,18 +219,12 @@ class TransferHandler:
         return bool(ok)
 
     def get_finished(self) -> list[Any]:
-        from vllm.v1.kv_offload.worker.worker import TransferResult
-
-        return [
-            TransferResult(
-                job_id=r.job_id,
-                success=r.success,
-                transfer_size=r.transfer_size,
-                transfer_time=r.transfer_time,
-                transfer_type=self._directions.pop(r.job_id, None),
-            )
-            for r in self.worker.get_finished()
-        ]
+        # The worker's results are this vLLM's TransferResult (see transfer_result),
+        # which names the direction as well.
+        results = self.worker.get_finished()
+        for r in results:
+            r.transfer_type = self._directions.pop(r.job_id, None)
+        return results
 
     def wait(self, job_ids: set[int]) -> None:
         self.worker.wait(job_ids)
@@ -490,9 +484,8 @@ if not SPEC_METRICS:
             per_engine_labelvalues: dict[int, list[object]],
         ) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            self._table = _kvtier_metric_table(vllm_config)
             self._families: dict[str, Any] = {}
-            for name, (kind, doc, labels, buckets) in self._table.items():
+            for name, (kind, doc, labels, buckets) in _kvtier_metric_table(vllm_config).items():
                 args: dict[str, Any] = {
                     "name": name,
                     "documentation": doc,
