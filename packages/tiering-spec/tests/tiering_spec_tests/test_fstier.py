@@ -121,6 +121,44 @@ def wait_for_unlinks(tier) -> None:
     tier.poll()
 
 
+def test_a_write_at_capacity_takes_over_the_evicted_file(make_tier) -> None:
+    region = Region(4, world_size=2)
+    tier = make_tier(region, world_size=2, capacity=2 * 2 * (fsformat.HEADER_SIZE + PAYLOAD))
+    for i, k in enumerate([b"a", b"b"]):
+        region.fill(1, i, 50 + i)
+        write(tier, region, k, i, i)
+    inodes = {os.stat(p).st_ino for p in tier.paths(key_digest(b"a"))}
+    d0 = region.fill(0, 2, 9)
+    d1 = region.fill(1, 2, 10)
+    write(tier, region, b"c", 2, 9)
+    wait_for_unlinks(tier)
+    assert tier.stats.files_reused == 2, "both ranks' files of the evicted entry"
+    assert {os.stat(p).st_ino for p in tier.paths(key_digest(b"c"))} == inodes
+    assert not any(os.path.exists(p) for p in tier.paths(key_digest(b"a")))
+    assert not tier.has(key_digest(b"a")) and tier.has(key_digest(b"c"))
+    region.ranks[0][:] = bytes(len(region.ranks[0]))
+    region.ranks[1][:] = bytes(len(region.ranks[1]))
+    assert read(tier, b"c", 3).ok
+    assert region.block(0, 3) == d0 and region.block(1, 3) == d1
+    files = [n for d in tier.dirs for _, _, ns in os.walk(d) for n in ns if n.endswith(".kv")]
+    assert len(files) == 4, files
+
+
+def test_an_evicted_file_with_another_link_is_not_overwritten(make_tier, tmp_path) -> None:
+    region = Region(4)
+    tier = make_tier(region, capacity=fsformat.HEADER_SIZE + PAYLOAD)
+    write(tier, region, b"a", 0, 1)
+    [path] = tier.paths(key_digest(b"a"))
+    outside = tmp_path / "linked"
+    os.link(path, outside)
+    before = outside.read_bytes()
+    write(tier, region, b"b", 1, 2)
+    wait_for_unlinks(tier)
+    assert tier.stats.files_reused == 0
+    assert outside.read_bytes() == before, "a file linked elsewhere was overwritten"
+    assert read(tier, b"b", 2).ok and tier.faults() == dict.fromkeys(fstier.FAULT_KINDS, 0)
+
+
 def test_restart_over_capacity_drops_the_oldest(make_tier) -> None:
     region = Region(4)
     entry = fsformat.HEADER_SIZE + PAYLOAD

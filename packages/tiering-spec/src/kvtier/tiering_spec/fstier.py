@@ -4,7 +4,7 @@ Runs in the scheduler process. It reads and writes the bytes of host blocks thro
 memoryviews of the host region (one per rank), so a promotion lands directly in the
 host block that the worker then copies to the device, and a write reads the host
 block in place: no staging copy. Every byte moves in ``os.preadv``/``os.pwritev``
-and ``zlib.crc32``, all of which release the GIL, on ``n_read_threads`` +
+and the XXH3 checksum, all of which release the GIL, on ``n_read_threads`` +
 ``n_write_threads`` threads.
 
 Guarantees:
@@ -99,6 +99,7 @@ class FsStats:
     writes_dropped: int = 0
     evictions: int = 0
     folders_recreated: int = 0
+    files_reused: int = 0
     used_bytes: int = 0
     entries: int = 0
 
@@ -252,6 +253,8 @@ class FileSystemTier:
         self._reading: dict[bytes, int] = {}
         self._writing: set[bytes] = set()
         self._unlinking: dict[bytes, int] = {}
+        # digest being written -> the evicted digest whose files that write takes over
+        self._reusing: dict[bytes, bytes] = {}
         self._results: deque[FsResult] = deque()
         self._inflight = 0
         self._faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
@@ -550,14 +553,19 @@ class FileSystemTier:
 
     # ----------------------------------------------------------------- capacity
 
-    def _make_room(self, nbytes: int, protect: bytes | None = None) -> bool:
+    def _make_room(
+        self, nbytes: int, protect: bytes | None = None, *, reuse: bool = False
+    ) -> tuple[bool, bytes | None]:
         """Evict least recently used entries (never ones being read) until ``nbytes``
-        more fit. False, evicting nothing more, when that is impossible."""
+        more fit. Returns (whether they fit, evicting nothing more when they cannot;
+        with ``reuse``, one evicted entry whose files the caller's write takes over
+        instead of creating new ones, or None). A reused digest stays in
+        ``_unlinking`` until that write is polled."""
         cap = self.capacity_bytes
         if cap is None:
-            return True
+            return True, None
         if nbytes > cap:
-            return False
+            return False, None
         victims: list[bytes] = []
         need = self._used + self._reserved + nbytes - cap
         if need > 0:
@@ -569,18 +577,23 @@ class FileSystemTier:
                 if need <= 0:
                     break
             if need > 0:
-                return False
+                return False, None
         removed_keys: list[bytes] = []
+        reused: bytes | None = None
         for digest in victims:
             entry = self._index.pop(digest)
             self._used -= entry.nbytes
             self.stats.evictions += 1
             if entry.key is not None:
                 removed_keys.append(entry.key)
-            self._unlink(digest)
+            if reuse and reused is None and entry.nbytes == self.entry_bytes:
+                reused = digest
+                self._unlinking[digest] = self._unlinking.get(digest, 0) + 1
+            else:
+                self._unlink(digest)
         if removed_keys and self.enable_events:
             self._events.append((True, removed_keys))
-        return True
+        return True, reused
 
     def _forget(self, digest: bytes, key: bytes | None, unlink: bool) -> None:
         entry = self._index.pop(digest, None)
@@ -596,6 +609,13 @@ class FileSystemTier:
         # ran, so the unlink cannot remove a newer file of the same name.
         self._unlinking[digest] = self._unlinking.get(digest, 0) + 1
         self._submit(self._writers, self._unlink_task, digest, self.paths(digest))
+
+    def _unlinked(self, digest: bytes) -> None:
+        count = self._unlinking.get(digest, 0) - 1
+        if count > 0:
+            self._unlinking[digest] = count
+        else:
+            self._unlinking.pop(digest, None)
 
     # ----------------------------------------------------------------- jobs
 
@@ -627,12 +647,23 @@ class FileSystemTier:
         if views is None:
             self.stats.writes_dropped += 1
             return False
-        if not self._make_room(self.entry_bytes):
+        fits, reuse = self._make_room(self.entry_bytes, reuse=True)
+        if not fits:
             self.stats.writes_dropped += 1
             return False
         self._reserved += self.entry_bytes
         self._writing.add(digest)
-        self._submit(self._writers, self._write_task, key, digest, block_id, views)
+        if reuse is not None:
+            self._reusing[digest] = reuse
+        self._submit(
+            self._writers,
+            self._write_task,
+            key,
+            digest,
+            block_id,
+            views,
+            None if reuse is None else self.paths(reuse),
+        )
         return True
 
     def submit_read(self, key: bytes, digest: bytes, block_id: int) -> bool:
@@ -659,16 +690,14 @@ class FileSystemTier:
             res = results.popleft()
             self._inflight -= 1
             if res.op == "unlink":
-                digest = res.key
-                count = self._unlinking.get(digest, 0) - 1
-                if count > 0:
-                    self._unlinking[digest] = count
-                else:
-                    self._unlinking.pop(digest, None)
+                self._unlinked(res.key)
                 continue
             digest = fsformat.key_digest(res.key)
             if res.op == "write":
                 self._writing.discard(digest)
+                reused = self._reusing.pop(digest, None)
+                if reused is not None:
+                    self._unlinked(reused)
                 self._reserved -= self.entry_bytes
                 if res.ok:
                     self._retried.discard(digest)
@@ -722,7 +751,7 @@ class FileSystemTier:
                 lowered,
             )
             self.capacity_bytes = lowered
-        if not self._make_room(self.entry_bytes):
+        if not self._make_room(self.entry_bytes)[0]:
             return False
         self._fault("disk_full", res)
         self._retried.add(digest)
@@ -800,27 +829,39 @@ class FileSystemTier:
         )
 
     def _write_task(
-        self, key: bytes, digest: bytes, block_id: int, views: Sequence[memoryview]
+        self,
+        key: bytes,
+        digest: bytes,
+        block_id: int,
+        views: Sequence[memoryview],
+        reuse: list[str] | None = None,
     ) -> None:
         t0 = time.perf_counter()
         done: list[str] = []
+        # Evicted files not taken over (one found changed, or a write failed first)
+        # are removed; a taken-over one no longer has its name.
+        leftover = list(reuse or [])
         fault: str | None = None
         try:
             for rank, path in enumerate(self.paths(digest)):
-                self._write_file(
-                    path, self.fingerprints[rank], digest, self._payload(views, rank, block_id)
-                )
+                tmp = self._tmp_name(os.path.dirname(path))
+                old = None if reuse is None else reuse[rank]
+                exists = False
+                if old is not None and self._take_over(old, tmp):
+                    leftover.remove(old)
+                    exists = True
+                payload = self._payload(views, rank, block_id)
+                self._write_file(path, tmp, exists, self.fingerprints[rank], digest, payload)
                 done.append(path)
         except OSError as exc:
             fault = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "write_failed"
         except Exception:
             fault = "write_failed"
-        if fault is not None:
-            for path in done:  # an entry is all ranks or nothing
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+        for path in (done if fault is not None else []) + leftover:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         self._results.append(
             FsResult(
                 "write",
@@ -833,69 +874,103 @@ class FileSystemTier:
             )
         )
 
-    def _direct_or_buffered(
+    def _take_over(self, old: str, tmp: str) -> bool:
+        """Rename the evicted block file ``old`` to ``tmp`` for a write to overwrite in
+        place: on some filesystems making a file costs more CPU than writing a MiB into
+        one. False (nothing taken) unless ``old`` is a plain block file of this user
+        with no other link; a reader still holding it open then fails its checksum."""
+        try:
+            os.rename(old, tmp)
+        except OSError:
+            return False
+        try:
+            st = os.lstat(tmp)
+        except OSError:
+            return False
+        if (
+            stat.S_ISREG(st.st_mode)
+            and st.st_nlink == 1
+            and st.st_uid == os.geteuid()
+            and st.st_size == self.file_bytes
+        ):
+            self.stats.files_reused += 1
+            return True
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+
+    def _write_file(
         self,
-        op: Callable[[str, bytes, bytes, memoryview, bool], None],
         path: str,
+        tmp: str,
+        exists: bool,
         fingerprint: bytes,
         digest: bytes,
         payload: memoryview,
     ) -> None:
-        """``op`` with O_DIRECT when the tier uses it; retried buffered if O_DIRECT
-        refuses the buffer (EINVAL: not aligned)."""
-        try:
-            op(path, fingerprint, digest, payload, self.direct)
-        except OSError as exc:
-            if not (self.direct and exc.errno == errno.EINVAL):
-                raise
-            op(path, fingerprint, digest, payload, False)
-
-    def _write_file(
-        self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview
-    ) -> None:
-        self._direct_or_buffered(self._write_file_as, path, fingerprint, digest, payload)
-
-    def _write_file_as(
-        self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview, direct: bool
-    ) -> None:
-        hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
-        crc = fsformat.checksum(payload)
-        hdr[: fsformat.HEADER_USED] = fsformat.encode_header(
-            fingerprint, digest, self.payload_bytes, crc
-        )
-        tmp = self._tmp_name(os.path.dirname(path))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
-        try:
-            fd = os.open(tmp, flags, 0o600)
-        except FileNotFoundError:
-            # Its folder was deleted while the engine ran: made again (checked like the
-            # others at start-up), then the write goes on.
-            shard = os.path.dirname(path)
-            make_private_directory(os.path.dirname(shard), "fs tier directory")
-            make_private_directory(shard, "fs tier directory")
-            self.stats.folders_recreated += 1
-            fd = os.open(tmp, flags, 0o600)
+        """Write one block file to ``tmp`` (a new file, or an evicted one taken over when
+        ``exists``), then rename it to ``path``."""
         try:
             try:
-                total = self.file_bytes
-                written = _pwritev(fd, [hdr, payload], 0)
-                while written < total:  # short writes: continue where it stopped
-                    if written < fsformat.HEADER_SIZE:
-                        raise OSError(errno.EIO, "short header write")
-                    n = _pwritev(fd, [payload[written - fsformat.HEADER_SIZE :]], written)
-                    if n <= 0:
-                        raise OSError(errno.EIO, "pwritev wrote nothing")
-                    written += n
-            finally:
-                os.close(fd)
+                self._write_tmp(tmp, exists, fingerprint, digest, payload, self.direct)
+            except OSError as exc:
+                if not (self.direct and exc.errno == errno.EINVAL):
+                    raise
+                # O_DIRECT refused the buffer: the same file, written buffered.
+                exists = exists or os.path.lexists(tmp)
+                self._write_tmp(tmp, exists, fingerprint, digest, payload, False)
             _rename(tmp, path)
-            self._note_own_change(os.path.dirname(path))
         except BaseException:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             raise
+        self._note_own_change(os.path.dirname(path))
+
+    def _write_tmp(
+        self,
+        tmp: str,
+        exists: bool,
+        fingerprint: bytes,
+        digest: bytes,
+        payload: memoryview,
+        direct: bool,
+    ) -> None:
+        hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
+        crc = fsformat.checksum(payload)
+        hdr[: fsformat.HEADER_USED] = fsformat.encode_header(
+            fingerprint, digest, self.payload_bytes, crc
+        )
+        flags = os.O_WRONLY | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
+        if exists:
+            fd = os.open(tmp, flags | os.O_NONBLOCK)
+        else:
+            flags |= os.O_CREAT | os.O_EXCL
+            try:
+                fd = os.open(tmp, flags, 0o600)
+            except FileNotFoundError:
+                # Its folder was deleted while the engine ran: made again (checked like
+                # the others at start-up), then the write goes on.
+                shard = os.path.dirname(tmp)
+                make_private_directory(os.path.dirname(shard), "fs tier directory")
+                make_private_directory(shard, "fs tier directory")
+                self.stats.folders_recreated += 1
+                fd = os.open(tmp, flags, 0o600)
+        try:
+            total = self.file_bytes
+            written = _pwritev(fd, [hdr, payload], 0)
+            while written < total:  # short writes: continue where it stopped
+                if written < fsformat.HEADER_SIZE:
+                    raise OSError(errno.EIO, "short header write")
+                n = _pwritev(fd, [payload[written - fsformat.HEADER_SIZE :]], written)
+                if n <= 0:
+                    raise OSError(errno.EIO, "pwritev wrote nothing")
+                written += n
+        finally:
+            os.close(fd)
 
     def _read_task(
         self, key: bytes, digest: bytes, block_id: int, views: Sequence[memoryview]
@@ -928,7 +1003,14 @@ class FileSystemTier:
         )
 
     def _read_file(self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview) -> None:
-        self._direct_or_buffered(self._read_file_as, path, fingerprint, digest, payload)
+        """Read with O_DIRECT when the tier uses it; retried buffered if O_DIRECT refuses
+        the buffer (EINVAL: not aligned)."""
+        try:
+            self._read_file_as(path, fingerprint, digest, payload, self.direct)
+        except OSError as exc:
+            if not (self.direct and exc.errno == errno.EINVAL):
+                raise
+            self._read_file_as(path, fingerprint, digest, payload, False)
 
     def _read_file_as(
         self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview, direct: bool
