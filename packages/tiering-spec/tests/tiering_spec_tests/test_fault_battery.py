@@ -10,6 +10,10 @@ Item 3, trust nothing on disk: directories that are links, another user's, or
 writable by group or others are refused at start; block files are opened without
 following links, so a link planted under a block's name is never read.
 
+Item 4, storage never blocks the scheduler: a cache reset and a shutdown wait for
+hung fs jobs a bounded time, count the timeout as a fault, and never hand out a host
+block that a late read may still fill.
+
 Item 5, configuration: unknown keys are named in a warning; strings are refused where
 a boolean or a number is expected; thread counts are bounded; a capacity that cannot
 hold one file is refused.
@@ -384,6 +388,76 @@ def test_a_shard_folder_deleted_at_run_time_is_made_again(tmp_path: Path) -> Non
     [res] = wait_results(tier)
     assert res.ok and region[:payload] == b"\x05" * payload
     tier.shutdown()
+
+
+def _hung_reads(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Make every fs read hang (as on a dead network mount) until the event is set."""
+    import threading
+
+    from kvtier.tiering_spec import fstier
+
+    release = threading.Event()
+    real = fstier._preadv
+
+    def hung(*a: Any) -> int:
+        release.wait(30)
+        return real(*a)
+
+    monkeypatch.setattr(fstier, "_preadv", hung)
+    return release
+
+
+def test_a_reset_does_not_wait_forever_for_a_hung_read(tmp_path: Path, monkeypatch) -> None:
+    import mmap
+
+    from kvtier.blockpool import HostBlockPool
+    from kvtier.tiering_spec import manager as manager_mod
+    from kvtier.tiering_spec.manager import Lookup, TierManager
+
+    payload = 8192
+    region = mmap.mmap(-1, 4 * payload)
+    tier = make_fs_tier(tmp_path / "fs", payload, lambda: [memoryview(region)])
+    mgr = TierManager(HostBlockPool(4), [tier])
+    assert mgr.prepare_store([b"k"]) is not None
+    mgr.complete_store([b"k"])
+    mgr.drain()
+    mgr.reset(HostBlockPool(4))  # a clean reset: k is on disk only now
+    release = _hung_reads(monkeypatch)
+    monkeypatch.setattr(manager_mod, "DRAIN_TIMEOUT_S", 0.3)
+    assert mgr.lookup(b"k") is Lookup.HIT_PENDING
+    reading = mgr.pool.block_of(b"k")
+    t0 = time.monotonic()
+    mgr.reset(HostBlockPool(4))
+    assert time.monotonic() - t0 < 5, "the reset waited for the hung read"
+    assert tier.faults()["timeout"] == 1
+    # The block the hung read fills is never handed out again before the read ends.
+    plan = mgr.prepare_store([b"x1", b"x2", b"x3", b"x4"])
+    assert plan is None or reading not in plan[1], "a block being read was reused"
+    release.set()
+    mgr.drain()
+    assert mgr.lookup(b"k") is Lookup.HIT
+    assert tier.shutdown()
+
+
+def test_shutdown_returns_despite_a_hung_read_and_counts_it(tmp_path: Path, monkeypatch) -> None:
+    import mmap
+
+    from kvtier.tiering_spec import fstier
+    from kvtier.tiering_spec.fsformat import key_digest
+
+    payload = 8192
+    region = mmap.mmap(-1, 2 * payload)
+    tier = make_fs_tier(tmp_path / "fs", payload, lambda: [memoryview(region)])
+    assert tier.submit_write(b"k", key_digest(b"k"), 0)
+    wait_results(tier)
+    release = _hung_reads(monkeypatch)
+    monkeypatch.setattr(fstier, "SHUTDOWN_TIMEOUT_S", 0.3)
+    assert tier.submit_read(b"k", key_digest(b"k"), 1)
+    t0 = time.monotonic()
+    assert tier.shutdown() is False, "a stuck I/O thread must be reported"
+    assert time.monotonic() - t0 < 5, "shutdown waited for the hung read"
+    assert tier.faults()["timeout"] == 1 and tier.stuck
+    release.set()
 
 
 # ------------------------------------------------------------------ the spec's fingerprint

@@ -53,7 +53,15 @@ from kvtier.tiering_spec.config import ConfigError, FsTierConfig, make_private_d
 logger = logging.getLogger("kvtier.tiering_spec")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-FAULT_KINDS = ("corrupt", "truncated", "vanished", "unreadable", "disk_full", "write_failed")
+FAULT_KINDS = (
+    "corrupt",
+    "truncated",
+    "vanished",
+    "unreadable",
+    "disk_full",
+    "write_failed",
+    "timeout",
+)
 _STALE_TMP_S = 3600.0
 # Without capacity_bytes the tier may fill this share of the free space it found.
 DEFAULT_FREE_FRACTION = 0.5
@@ -63,6 +71,8 @@ STALE_FINGERPRINT_AGE_S = 7 * 86400.0
 DISCOVER_INTERVAL_S = 1.0
 # A disk-full write evicts at least this many entries before its one retry.
 ENOSPC_EVICT_ENTRIES = 8
+# How long shutdown waits for I/O threads (a hung mount must not hang the engine).
+SHUTDOWN_TIMEOUT_S = 10.0
 
 # Indirections that fault-injection tests replace.
 _pwritev = os.pwritev
@@ -279,6 +289,7 @@ class FileSystemTier:
         for t in self._threads:
             t.start()
         self._closed = False
+        self.stuck = False
         self._retried: set[bytes] = set()
         # The start-up scan runs on a thread of its own; poll() takes in what it found.
         self._scan_result: list[Any] = []
@@ -781,29 +792,51 @@ class FileSystemTier:
         events, self._events = self._events, []
         return events
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Block until every submitted job finished (then ``poll`` collects them)."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until every submitted job finished (then ``poll`` collects them), or
+        ``timeout`` seconds passed: then False, and a ``timeout`` fault is counted."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._inflight - len(self._results) > 0:
             if deadline is not None and time.monotonic() > deadline:
-                break
+                self._timed_out(f"{self._inflight - len(self._results)} job(s) still running")
+                return False
             time.sleep(0.001)
+        return True
 
-    def shutdown(self) -> None:
+    def _timed_out(self, what: str) -> None:
+        self._faults["timeout"] += 1
+        logger.warning(
+            "kvtier fs tier %r at %s: %s past the time limit (a hung or very slow "
+            "filesystem?); the engine goes on without them "
+            "(metric vllm:kvtier_fs_faults{kind='timeout'})",
+            self.name,
+            self.cfg.root_dir,
+            what,
+        )
+
+    def shutdown(self) -> bool:
+        """Stop the I/O threads, waiting at most ``SHUTDOWN_TIMEOUT_S`` for jobs in
+        flight. False when some are still stuck: the host blocks they read into or
+        write from must then stay mapped until the process ends."""
         if self._closed:
-            return
+            return not self.stuck
         self._closed = True
         self._stop.set()
-        self._scanner.join(timeout=10)
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         for t in self._threads:
             (self._readers if "read" in t.name else self._writers).put(None)
-        for t in self._threads:
-            t.join()
+        for t in [self._scanner, *self._threads]:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
         self.poll()
+        if stuck:
+            self.stuck = True
+            self._timed_out(f"shutdown: I/O thread(s) {', '.join(stuck)} still in a call")
         self._views = None
         if self.ephemeral:
             for d in self.dirs:
                 shutil.rmtree(d, ignore_errors=True)
+        return not stuck
 
     # ----------------------------------------------------------------- I/O threads
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from kvtier.tiering_spec.fstier import FileSystemTier
 logger = logging.getLogger("kvtier.tiering_spec")
 
 _MAX_LOAD_SOURCES = 100_000
+# How long a reset waits for fs jobs in flight before it goes on without them.
+DRAIN_TIMEOUT_S = 30.0
 
 
 class Lookup(enum.Enum):
@@ -233,28 +236,50 @@ class TierManager:
         """Whether fs jobs are in flight (the engine must keep stepping to finish them)."""
         return any(t.in_flight for t in self.fs_tiers)
 
-    def drain(self) -> None:
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for every fs job (at most ``timeout`` seconds in all); False if some
+        are still running (counted as ``timeout`` faults of their tiers)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = True
         for tier in self.fs_tiers:
-            tier.drain()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = tier.drain(left) and done
         self.poll()
+        return done
 
     def reset(self, new_pool: HostBlockPool) -> None:
-        """Drop the host tier (after every fs job finished); fs files are kept."""
-        self.drain()
+        """Drop the host tier; fs files are kept. If fs jobs outlive the drain timeout,
+        the pool is kept and everything in it evicted but the blocks those jobs use:
+        a late read must not land in a block handed out again."""
+        self._pass_req = None
+        self._pass_keys = []
+        if not self.drain(DRAIN_TIMEOUT_S):
+            dropped = self.pool.evict_all()
+            logger.warning(
+                "kvtier: cache reset with fs jobs still running: %d host blocks dropped, "
+                "%d kept until their reads and writes finish",
+                len(dropped),
+                len(self._promoting) + len(self._write_pins),
+            )
+            self._load_sources.clear()
+            return
         self.pool = new_pool
         self._promoting.clear()
         self._write_pins.clear()
         self._num_write_pins = 0
         self._load_sources.clear()
-        self._pass_req = None
-        self._pass_keys = []
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
+        """Stop the fs tiers; False if one still has an I/O call running (its host
+        region must then stay mapped)."""
+        clean = True
         for tier in self.fs_tiers:
             try:
-                tier.shutdown()
+                clean = tier.shutdown() and clean
             except Exception:
+                clean = False
                 logger.exception("kvtier: shutting down fs tier %r failed", tier.name)
+        return clean
 
     # ------------------------------------------------------------------ introspection
 

@@ -499,7 +499,10 @@ class KvtierOffloadingManager(OffloadingManager):
         return compat.manager_stats(self.collect_metrics())
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        if not self.core.shutdown():
+            # An I/O thread stuck in a read may still write into these mappings.
+            logger.warning("kvtier: host regions left mapped until the process ends")
+            return
         for region in self._regions:
             region.close()
         self._regions.clear()
