@@ -200,3 +200,39 @@ def test_bad_region_name_is_rejected(name: str) -> None:
 def test_bad_sizes_are_named(blocks: int, nbytes: int, key: str) -> None:
     with pytest.raises(ValueError, match=key):
         HostRegion.private(blocks, nbytes)
+
+
+def test_attach_with_wait_s_waits_for_a_creator_that_comes_later() -> None:
+    import threading
+
+    name = unique("late")
+    made: list[HostRegion] = []
+    timer = threading.Timer(0.3, lambda: made.append(HostRegion.create_shared(name, 2, 4096)))
+    timer.start()
+    try:
+        with HostRegion.attach_shared(name, 2, 4096, wait_s=30) as region:
+            assert not region.owner
+            assert made and region.path == made[0].path
+    finally:
+        timer.join()
+        for r in made:
+            r.close()
+
+
+def test_attach_with_wait_s_gives_up_with_a_clear_error() -> None:
+    with pytest.raises(FileNotFoundError, match=r"no live process created .* within 0\.2 s"):
+        HostRegion.attach_shared(unique("never"), 2, 4096, wait_s=0.2)
+
+
+def test_attach_with_wait_s_does_not_map_a_dead_processs_region() -> None:
+    name = unique("stale")
+    path = os.path.join("/dev/shm", "kvtier-" + name)
+    with open(path, "wb") as fh:  # what a killed creator leaves: the file, no lock
+        fh.truncate(2 * 4096)
+    try:
+        with pytest.raises(FileNotFoundError, match="no live process"):
+            HostRegion.attach_shared(name, 2, 4096, wait_s=0.2)
+        # Without wait_s a name is mapped as it is (the scheduler's lazy attach).
+        HostRegion.attach_shared(name, 2, 4096).close()
+    finally:
+        os.unlink(path)

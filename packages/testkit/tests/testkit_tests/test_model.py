@@ -83,3 +83,17 @@ def test_env_variable_sets_the_default_root(
 
     monkeypatch.setenv("KVTIER_TINY_MODEL_DIR", str(tmp_path))
     assert default_model_root() == tmp_path
+
+
+def test_mla_makes_a_dense_deepseek_v2_with_a_576_element_kv_row(model_root: Path) -> None:
+    from kvtier.testkit import make_tiny_mla
+
+    folder = make_tiny_mla(model_root)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"]
+    # vLLM's CPU MLA kernel takes this KV row width only.
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
+    assert config["first_k_dense_replace"] >= config["num_hidden_layers"], "experts would run"
+    assert read_spec(folder).mla and folder != make_tiny_llama(model_root)
+    # Models made before the mla field keep their cached folders.
+    assert TinyModelSpec().folder_name() == "tiny-llama-l2-h128-49a7082e4872"

@@ -182,13 +182,11 @@ def test_the_guides_examples_start_and_serve(model: Path, tmp_path: Path, spec_n
         testkit.free_llm(llm)
 
 
-TP2_SCRIPT = Path(__file__).with_name("tp2_script.py")
-
-
-def test_tensor_parallel_2_hits_host_and_fs_tiers_and_keeps_ranks_apart(tmp_path: Path) -> None:
+def run_tp2_script(name: str, tmp_path: Path, marker: str) -> None:
+    """Run a TP 2 engine script (multiprocess, one core per rank) and check its marker."""
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     out = subprocess.run(
-        [sys.executable, str(TP2_SCRIPT), str(tmp_path / "fs")],
+        [sys.executable, str(Path(__file__).with_name(name)), str(tmp_path / "fs")],
         capture_output=True,
         text=True,
         env=env,
@@ -197,4 +195,12 @@ def test_tensor_parallel_2_hits_host_and_fs_tiers_and_keeps_ranks_apart(tmp_path
     )
     tail = (out.stdout + out.stderr)[-4000:]
     assert out.returncode == 0, tail
-    assert "TP2 OK" in out.stdout, tail
+    assert marker in out.stdout, tail
+
+
+def test_tensor_parallel_2_hits_host_and_fs_tiers_and_keeps_ranks_apart(tmp_path: Path) -> None:
+    run_tp2_script("tp2_script.py", tmp_path, "TP2 OK")
+
+
+def test_tensor_parallel_2_mla_keeps_one_copy_of_the_replicated_kv(tmp_path: Path) -> None:
+    run_tp2_script("tp2_mla_script.py", tmp_path, "TP2 MLA OK")

@@ -94,11 +94,14 @@ def spec_without_engine(
     world_size: int = 1,
     rank: int = 0,
     kv_events: bool = False,
+    replicated_layout: bool = False,
+    engine_id: str = "unit-engine",
 ) -> Any:
     """``spec_cls`` for the tiny model's KV layout (two layers, 64 KiB per block) without
     vLLM's engine configs where this vLLM allows it: vLLM 0.32 and later build a spec
     from an ``OffloadingConfig`` alone, so this runs where no vLLM platform can (vLLM
-    0.33's wheel on a machine without a GPU). Older releases need the engine's configs."""
+    0.33's wheel on a machine without a GPU). Older releases need the engine's configs,
+    and report no ``replicated_layout``."""
     from kvtier.tiering_spec import vllm_compat
 
     if not vllm_compat.CONFIG_API:
@@ -136,7 +139,7 @@ def spec_without_engine(
             worker_kv_bytes_per_block=65536,
             enable_kv_cache_events=kv_events,
             extra_config=extra,
-            engine_id="unit-engine",
+            engine_id=engine_id,
             model=build(c.OffloadingModelConfig, name=str(model), dtype="float32"),
             cache=build(
                 c.OffloadingCacheConfig, tokens_per_hash=32, blocks_per_chunk=blocks_per_chunk
@@ -154,5 +157,6 @@ def spec_without_engine(
                 data_parallel_rank_local=None,
                 is_parallelism_agnostic=False,
             ),
+            replicated_layout=replicated_layout,
         )
     )

@@ -362,11 +362,17 @@ class HostRegion:
         *,
         pin: bool = True,
         shm_dir: str = SHM_DIR,
+        wait_s: float | None = None,
     ) -> HostRegion:
-        """Map the shared region ``name`` that another process created."""
+        """Map the shared region ``name`` that another process created.
+
+        With ``wait_s``, waits up to that many seconds for a live creator: a missing
+        file, or one no process holds (left by a dead one, to be replaced), is waited
+        out, then ``FileNotFoundError`` says how long it waited.
+        """
         size = cls._sizes(num_blocks, block_bytes)
         path = cls._path(name, shm_dir)
-        fd = _open_region_file(path, os.O_RDWR)
+        fd = _open_region_file(path, os.O_RDWR) if wait_s is None else cls._open_live(path, wait_s)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             actual = os.fstat(fd).st_size
@@ -380,6 +386,35 @@ class HostRegion:
             os.close(fd)
             raise
         return cls._map(path, fd, num_blocks, block_bytes, owner=False, pin=pin)
+
+    @staticmethod
+    def _open_live(path: str, wait_s: float) -> int:
+        """An fd of ``path`` once a live process holds it (its creator locks it from the
+        moment it has the name), polling until ``wait_s`` seconds have passed."""
+        deadline = time.monotonic() + max(0.0, wait_s)
+        while True:
+            try:
+                fd = _open_region_file(path, os.O_RDWR)
+            except FileNotFoundError:
+                pass
+            else:
+                try:
+                    live = _is_locked(fd)
+                    if not live:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if live:
+                    return fd
+                os.close(fd)  # stale: its creator's replacement is on the way
+            if time.monotonic() >= deadline:
+                raise FileNotFoundError(
+                    errno.ENOENT,
+                    f"no live process created the shared host region within {wait_s:g} s",
+                    path,
+                )
+            time.sleep(0.05)
 
     @staticmethod
     def _path(name: str, shm_dir: str) -> str:

@@ -1,6 +1,7 @@
 """kvtier-testkit: shared test helpers for kvtier's vLLM plugins.
 
-* :func:`make_tiny_llama`: a tiny random-weight model and tokenizer, made offline, cached;
+* :func:`make_tiny_llama`: a tiny random-weight model and tokenizer, made offline, cached
+  (:func:`make_tiny_mla`: one with multi-head latent attention);
 * :func:`run_workload`, :func:`compare_outputs`: greedy runs compared token by token;
 * :class:`SchedulerTokenCounter`: the engine's work in scheduled tokens;
 * ``kvtier.testkit.pytest_plugin``: session fixtures (``pytest_plugins = [...]``).
@@ -45,6 +46,7 @@ from kvtier.testkit.model import (
     TinyModelSpec,
     default_model_root,
     make_tiny_llama,
+    make_tiny_mla,
     read_spec,
     special_token_ids,
 )
@@ -79,6 +81,7 @@ __all__ = [
     "make_llm",
     "make_prefix_workload",
     "make_tiny_llama",
+    "make_tiny_mla",
     "make_workload",
     "metric_values",
     "read_spec",

@@ -1,7 +1,8 @@
 """A tiny random-weight causal LM and tokenizer, made offline, for engine tests.
 
 No model can be downloaded where kvtier's tests run, so the tests make their own:
-a Llama (or, with a sliding window, a Mistral) of a few layers with random weights,
+a Llama (or, with a sliding window, a Mistral; or a DeepSeek-V2 with multi-head latent
+attention) of a few layers with random weights,
 saved with transformers, and a byte-level BPE tokenizer trained with ``tokenizers``
 on generated text. The EOS logit row is zeroed so greedy runs reach ``max_tokens``.
 
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 ENV_MODEL_DIR = "KVTIER_TINY_MODEL_DIR"
+# A tiny MLA model's KV row: latent and rotary widths, in elements.
+MLA_KV_LORA_RANK = 512
+MLA_ROPE_DIM = 64
 MARKER = "kvtier-tiny-model.json"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 # Bump when the recipe changes, so stale cached models are not reused.
@@ -42,6 +46,8 @@ class TinyModelSpec:
         seed: seed for weights and tokenizer training text.
         sliding_window: attention window in tokens; ``None`` for full attention (Llama).
         kv_heads: KV heads (grouped-query attention); ``None`` for as many as ``heads``.
+        mla: a DeepSeek-V2 with multi-head latent attention (``head_dim`` is then the
+            per-head query/key and value width beside the latent; see :func:`make_tiny_mla`).
     """
 
     layers: int = 2
@@ -52,15 +58,20 @@ class TinyModelSpec:
     seed: int = 0
     sliding_window: int | None = None
     kv_heads: int | None = None
+    mla: bool = False
 
     @property
     def architecture(self) -> str:
+        if self.mla:
+            return "deepseek-v2"
         return "mistral" if self.sliding_window else "llama"
 
     def folder_name(self) -> str:
         fields = asdict(self)
         if fields["kv_heads"] is None:
             del fields["kv_heads"]  # folders made before GQA keep their names
+        if not fields["mla"]:
+            del fields["mla"]  # and those made before MLA
         blob = json.dumps({"recipe": RECIPE_VERSION, **fields}, sort_keys=True)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
         sw = f"-sw{self.sliding_window}" if self.sliding_window else ""
@@ -143,7 +154,30 @@ def _build(folder: Path, spec: TinyModelSpec) -> None:
     )
     torch.manual_seed(spec.seed)
     model: Any
-    if spec.sliding_window:
+    if spec.mla:
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        dense = {k: v for k, v in common.items() if k not in ("num_key_value_heads", "head_dim")}
+        # The latent (512) plus the rotary part (64) make the 576-element KV row that
+        # vLLM's CPU MLA kernel is built for. Every layer dense: no experts run.
+        config = DeepseekV2Config(
+            kv_lora_rank=MLA_KV_LORA_RANK,
+            qk_rope_head_dim=MLA_ROPE_DIM,
+            qk_nope_head_dim=spec.head_dim,
+            v_head_dim=spec.head_dim,
+            q_lora_rank=None,
+            first_k_dense_replace=spec.layers,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=spec.hidden // 2,
+            num_key_value_heads=spec.heads,
+            **dense,
+        )
+        model = DeepseekV2ForCausalLM(config)
+    elif spec.sliding_window:
         model = MistralForCausalLM(MistralConfig(sliding_window=spec.sliding_window, **common))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -184,6 +218,37 @@ def make_tiny_llama(
     if kv_heads is not None and (kv_heads <= 0 or heads % kv_heads):
         raise ValueError(f"kv_heads must be a positive divisor of heads={heads}, got {kv_heads}")
     spec = TinyModelSpec(layers, hidden, heads, head_dim, vocab, seed, sliding_window, kv_heads)
+    return _make(spec, path)
+
+
+def make_tiny_mla(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 2,
+    head_dim: int = 32,
+    vocab: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Make (or reuse) a tiny random-weight DeepSeek-V2 (multi-head latent attention, no
+    experts) and return its folder, cached as :func:`make_tiny_llama`'s models.
+
+    Its KV is one row of 576 elements per token and layer (a 512-element latent plus 64
+    rotary), shared by all heads, so vLLM reports it replicated across tensor-parallel
+    ranks. ``head_dim`` is each head's query/key width beside the rotary part and its
+    value width. vLLM's CPU platform runs it with ``block_size`` 16 only.
+    """
+    if vocab < 300:
+        raise ValueError(
+            f"vocab must be at least 300 tokens (byte alphabet + specials), got {vocab}"
+        )
+    if heads * head_dim <= 0 or layers <= 0:
+        raise ValueError("layers, heads and head_dim must be positive")
+    return _make(TinyModelSpec(layers, hidden, heads, head_dim, vocab, seed, mla=True), path)
+
+
+def _make(spec: TinyModelSpec, path: str | os.PathLike[str] | None) -> Path:
     root = Path(path) if path is not None else default_model_root()
     folder = root / spec.folder_name()
     if (folder / MARKER).is_file():

@@ -18,6 +18,7 @@ import secrets
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any, cast
 
+import torch
 import xxhash
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -44,10 +45,14 @@ from kvtier.tiering_spec.config import (
 from kvtier.tiering_spec.fsformat import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
-from kvtier.tiering_spec.manager import TierManager
+from kvtier.tiering_spec.manager import Lookup, TierManager
 from kvtier.tiering_spec.worker import OffloadTransferWorker
 
 logger = logging.getLogger("kvtier.tiering_spec")
+
+# How long a worker rank waits for rank 0 to create the one host region that every rank
+# of a replicated layout maps; ranks start their workers at about the same time.
+REPLICA_WAIT_S = 120.0
 
 
 def _region_name(engine_id: str, rank: int) -> str:
@@ -135,6 +140,26 @@ def _engine_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     }
 
 
+def _cached_prefix_unusable(vllm_config: Any) -> str | None:
+    """Why this engine cannot be given KV it did not compute itself, or None."""
+    if vllm_config is None:
+        return None
+    from vllm.platforms import current_platform
+
+    if (
+        getattr(vllm_config.model_config, "use_mla", False)
+        and current_platform.is_cpu()
+        and not vllm_config.cache_config.enable_prefix_caching
+    ):
+        # vLLM's CPU MLA backend computes a prompt on top of cached KV differently from
+        # computing it whole (greedy outputs diverge even with vLLM's own prefix cache).
+        return (
+            "vLLM turned prefix caching off for this MLA model on its CPU platform, whose "
+            "MLA backend does not give the same results on top of cached KV"
+        )
+    return None
+
+
 class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
     """What both specs share: config validation, budget, worker.
 
@@ -160,6 +185,13 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
         parallel = config.parallel
         self.world_size = max(1, int(parallel.world_size))
         self.rank = int(parallel.rank)
+        # vLLM's worker lets only rank 0 store when this is set: every rank then reads
+        # and rank 0 writes the one copy that the host and fs tiers keep.
+        self.replicated_layout = (
+            bool(getattr(config, "replicated_layout", False) and self.world_size > 1)
+            and self._can_share_replica()
+        )
+        self.num_copies = 1 if self.replicated_layout else self.world_size
         bpc = int(self.blocks_per_chunk)
         wkb = int(config.worker_kv_bytes_per_block)
         # A chunk is bpc sub-blocks of equal size, a multiple of 4096 bytes in all, so
@@ -171,9 +203,11 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
         self.num_chunks = 0
         if wkb > 0:
             try:
+                # One copy gets the whole of cpu_bytes_to_use (as vLLM's spec gives
+                # it), or cpu_bytes_to_use_per_rank: what each rank maps.
                 budget = resolve_budget(
                     self.settings.budget,
-                    world_size=self.world_size,
+                    world_size=self.num_copies,
                     bytes_per_block=self.chunk_bytes,
                     alignment=ALIGNMENT,
                 )
@@ -181,16 +215,28 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
                 raise ConfigError(str(exc)) from None
             self.num_chunks = budget.num_blocks
             self.budget_description = budget.describe()
+            if self.replicated_layout:
+                self.budget_description += (
+                    f"; one copy for all {self.world_size} ranks (vLLM reports the KV "
+                    "replicated across them), stored by rank 0"
+                )
         else:
             self.budget_description = "no KV bytes per block known yet"
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
         # The connector building this spec holds what identifies the model and the KV
         # layout; only the fs tier's fingerprint needs it.
-        configs: tuple[Any, Any] = (
-            compat.engine_configs(self) if self.settings.secondary_tiers else (None, None)
-        )
+        configs: tuple[Any, Any] = compat.engine_configs(self)
+        self.no_loads_reason = _cached_prefix_unusable(configs[0])
+        if not self.settings.secondary_tiers:
+            configs = (None, None)
         self._vllm_config, self._kv_cache_config = configs
+
+    def _can_share_replica(self) -> bool:
+        """Whether every rank can map one host region: it must be shared memory, and
+        this spec keeps its per-rank private regions where a shared one cannot be
+        page-locked."""
+        return True
 
     # -- scheduler side -------------------------------------------------------------
 
@@ -277,7 +323,8 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
         return weights, ""
 
     def _layouts(self, identity: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{**identity, "rank": rank} for rank in range(self.world_size)]
+        # One per copy: a replicated layout's one copy is rank 0's, which every rank reads.
+        return [{**identity, "rank": rank} for rank in range(self.num_copies)]
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -287,13 +334,21 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
                     "host tier cannot be sized from cpu_bytes_to_use"
                 )
             self._manager = KvtierOffloadingManager(self)
+            if self.no_loads_reason is not None:
+                logger.warning(
+                    "kvtier %s: %s, so kvtier loads nothing into this engine (every lookup "
+                    "is a miss); it still stores",
+                    type(self).__name__,
+                    self.no_loads_reason,
+                )
             logger.info(
                 "kvtier %s active: host tier of %d chunks (%d device blocks each) x %d bytes "
-                "per rank, %s eviction; %s",
+                "%s, %s eviction; %s",
                 type(self).__name__,
                 self.num_chunks,
                 self.blocks_per_chunk,
                 self.chunk_bytes,
+                "in one copy for all ranks" if self.replicated_layout else "per rank",
                 self.settings.eviction_policy,
                 self.budget_description,
             )
@@ -313,7 +368,27 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
     # -- worker side ----------------------------------------------------------------
 
     def _host_region(self) -> HostRegion:
+        if self.replicated_layout:
+            return self._replica_region()
         return HostRegion.private(self.num_chunks, self.chunk_bytes)
+
+    def _replica_region(self) -> HostRegion:
+        """The one host region of a replicated layout: rank 0 creates it, the other
+        ranks map it, waiting for rank 0 as long as ``REPLICA_WAIT_S``."""
+        name = _region_name(self.config.engine_id, 0)
+        if self.rank == 0:
+            return HostRegion.create_shared(name, self.num_chunks, self.chunk_bytes)
+        try:
+            return HostRegion.attach_shared(
+                name, self.num_chunks, self.chunk_bytes, wait_s=REPLICA_WAIT_S
+            )
+        except FileNotFoundError as exc:
+            raise RuntimeError(
+                f"kvtier: worker rank {self.rank} waited {REPLICA_WAIT_S:g} s for rank 0 to "
+                f"create the host region {exc.filename} that all ranks share (vLLM reports "
+                "the KV replicated across ranks); rank 0's worker did not start or failed "
+                "first: see its log"
+            ) from None
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> Any:
         if self._worker is None:
@@ -329,7 +404,9 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
             except Exception:
                 region.close()
                 raise
-            self._worker = KvtierOffloadingWorker(core)
+            self._worker = KvtierOffloadingWorker(
+                core, store=not self.replicated_layout or self.rank == 0
+            )
             logger.info(
                 "kvtier %s worker rank %d: %d host chunks x %d bytes (%s), copies on %s (%s)",
                 type(self).__name__,
@@ -348,6 +425,22 @@ class CPUOffloadingSpec(_KvtierSpec):
 
     TIERING = False
 
+    def _can_share_replica(self) -> bool:
+        # A mapped file can be page-locked on CUDA only; where it cannot (Ascend),
+        # per-rank private pinned copies keep the copies fast, as vLLM's spec does.
+        accel = (
+            torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        )
+        if accel is None or accel.type in ("cpu", "cuda"):
+            return True
+        if getattr(self.config, "replicated_layout", False):
+            logger.info(
+                "kvtier CPUOffloadingSpec: KV replicated across ranks, but a shared host "
+                "region cannot be page-locked on %s; each rank keeps its own pinned copy",
+                accel.type,
+            )
+        return False
+
 
 class TieringOffloadingSpec(_KvtierSpec):
     """kvtier's multi-tier spec: the host tier plus secondary tiers (``fs``).
@@ -359,15 +452,18 @@ class TieringOffloadingSpec(_KvtierSpec):
     TIERING = True
 
     def _host_region(self) -> HostRegion:
+        if self.replicated_layout:
+            return self._replica_region()
         return HostRegion.create_shared(
             _region_name(self.config.engine_id, self.rank), self.num_chunks, self.chunk_bytes
         )
 
     def attach_regions(self) -> list[HostRegion] | None:
-        """Map every rank's host region (None while a worker has not created its own)."""
+        """Map every copy's host region, one per rank or the one of a replicated layout
+        (None while a worker has not created its own)."""
         regions: list[HostRegion] = []
         try:
-            for rank in range(self.world_size):
+            for rank in range(self.num_copies):
                 regions.append(
                     HostRegion.attach_shared(
                         _region_name(self.config.engine_id, rank),
@@ -438,6 +534,8 @@ class KvtierOffloadingManager(OffloadingManager):
         self._metrics = m.MetricsEmitter(self.core, tiering=spec.TIERING)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        if self.spec.no_loads_reason is not None:
+            return compat.lookup_result(Lookup.MISS)
         return compat.lookup_result(self.core.lookup(key, req_context.req_id))
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
@@ -511,12 +609,20 @@ class KvtierOffloadingManager(OffloadingManager):
 class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type]
     """vLLM's ``OffloadingWorker`` over :class:`OffloadTransferWorker`."""
 
-    def __init__(self, core: OffloadTransferWorker) -> None:
+    def __init__(self, core: OffloadTransferWorker, *, store: bool = True) -> None:
         self.core = core
+        # False on ranks other than 0 of a replicated layout: vLLM 0.32 and 0.33 send
+        # them no stores; a release that did would have them rewrite rank 0's copy.
+        self.store = store
+        self._skipped: list[int] = []
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
+        if not self.store:
+            # Acknowledged as done: the scheduler waits for every rank's report of a job.
+            self._skipped.append(job_id)
+            return True
         self.core.submit_store(
             job_id,
             src_spec.block_ids.tolist(),
@@ -543,7 +649,8 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
         return True
 
     def get_finished(self) -> list[Any]:
-        return [
+        skipped, self._skipped = self._skipped, []
+        return [compat.transfer_result(j, True, 0, 0.0) for j in skipped] + [
             compat.transfer_result(j.job_id, j.ok, j.nbytes, j.seconds)
             for j in self.core.get_finished()
         ]
