@@ -282,10 +282,8 @@ def test_a_full_disk_evicts_the_oldest_files_and_retries_the_write(
     region = Region(12)
     tier = make_tier(region)
     keys = [b"old-%d" % i for i in range(10)]
-    for i, k in enumerate(keys):
-        region.fill(0, i, i)
-        assert tier.submit_write(k, key_digest(k), i)
-    wait_results(tier, len(keys))
+    for i, k in enumerate(keys):  # one at a time: the index's LRU order is write order
+        write(tier, region, k, i, i)
     assert tier.used_bytes == 10 * tier.entry_bytes
     calls = {"n": 0}
     real = fstier._pwritev
