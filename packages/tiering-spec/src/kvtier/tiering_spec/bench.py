@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=1.0, help="GiB written and read (default 1)")
     p.add_argument("--block-mib", type=int, default=1, help="block size in MiB (default 1)")
     p.add_argument("--threads", type=int, default=16, help="I/O threads per direction (16)")
-    p.add_argument("--repeat", type=int, default=2, help="runs of each side, best kept (2)")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each side, best kept (3)")
     p.add_argument("--sides", nargs="+", default=["plain", "vllm", "kvtier"])
     p.add_argument("--skip-fs", action="store_true", help="skip (a)")
     p.add_argument("--skip-workload", action="store_true", help="skip (b)")
