@@ -623,3 +623,46 @@ def test_a_model_rewritten_in_place_gets_misses_not_its_old_kv(
     cmp = compare_outputs(reference.outputs, got.outputs)
     assert cmp.identical, cmp.report()
     assert second.reads > 0, "the new model's own files were not served"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_transfers_the_copy_engine_refuses_are_recomputed_not_fatal(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 4: a bad plan fails that transfer, never the engine. vLLM asserts that
+    every transfer succeeds; kvtier's connector reports a refused load as blocks to
+    recompute and drops a refused store's host blocks."""
+    from kvtier.testkit import Workload, compare_outputs, kv_transfer_config, run_with
+    from kvtier.testkit.engine import kv_connector_of
+    from kvtier.tiering_spec.worker import OffloadTransferWorker
+
+    from .e2e_common import ENGINE, ROOMY, offload_config, prefix_prompts
+
+    refused = {"store": 0, "load": 0}
+    calls = {"store": 0, "load": 0}
+    for kind in ("store", "load"):
+        real = getattr(OffloadTransferWorker, f"submit_{kind}")
+
+        def some(self: Any, *args: Any, _kind: str = kind, _real: Any = real) -> None:
+            calls[_kind] += 1
+            if calls[_kind] % 3 == 1:
+                refused[_kind] += 1
+                raise ValueError("host chunks cannot hold these device blocks (injected)")
+            _real(self, *args)
+
+        monkeypatch.setattr(OffloadTransferWorker, f"submit_{kind}", some)
+    workload = Workload(prefix_prompts(), 8)
+    cfg = offload_config("CPUOffloadingSpec", host_chunks=64)
+
+    def counters(llm: Any) -> Any:
+        return kv_connector_of(llm).connector_scheduler.manager.core.counters
+
+    reference, _ = run_with(tiny_model, workload, **ROOMY)
+    got, seen = run_with(
+        tiny_model, workload, inspect=counters, kv_transfer_config=kv_transfer_config(cfg), **ENGINE
+    )
+    assert refused["store"] > 0 and refused["load"] > 0, (refused, calls)
+    assert seen.store_failures > 0, "refused stores were not dropped by the manager"
+    cmp = compare_outputs(reference.outputs, got.outputs)
+    assert cmp.identical, cmp.report()

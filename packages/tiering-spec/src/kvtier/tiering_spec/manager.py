@@ -48,6 +48,7 @@ class TierCounters:
 
     host_queries: int = 0
     host_hits: int = 0
+    store_failures: int = 0
     promotions: int = 0
     promotion_failures: int = 0
     promotion_allocation_failures: int = 0
@@ -174,6 +175,8 @@ class TierManager:
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Finish a device store; on success write the new blocks through to each fs tier."""
+        if not success:
+            self.counters.store_failures += sum(1 for k in keys if self.pool.is_storing(k))
         self.pool.complete_store(keys, success)
         if success and self.fs_tiers:
             self._write_through(keys)

@@ -22,6 +22,7 @@ CPU_ALLOCATION_SIZE = "vllm:kv_offload_cpu_allocation_size"
 STORES_SKIPPED = "vllm:kv_offload_stores_skipped"
 HOST_QUERIES = "vllm:kvtier_host_queries"
 HOST_HITS = "vllm:kvtier_host_hits"
+HOST_STORE_FAILURES = "vllm:kvtier_host_store_failures"
 
 CHUNK_QUERIES = "vllm:kv_offload_tiering_chunk_queries"
 CHUNK_HITS = "vllm:kv_offload_tiering_chunk_hits"
@@ -85,6 +86,12 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
         HOST_HITS: (
             "counter",
             "Offloaded-block lookups that found the block readable in kvtier's host tier.",
+            (),
+            None,
+        ),
+        HOST_STORE_FAILURES: (
+            "counter",
+            "Blocks of device-to-host stores that failed on a worker and were dropped.",
             (),
             None,
         ),
@@ -248,6 +255,12 @@ class MetricsEmitter:
         c = core.counters
         yield "counter", HOST_QUERIES, self._delta(HOST_QUERIES, (), c.host_queries), ()
         yield "counter", HOST_HITS, self._delta(HOST_HITS, (), c.host_hits), ()
+        yield (
+            "counter",
+            HOST_STORE_FAILURES,
+            self._delta(HOST_STORE_FAILURES, (), c.store_failures),
+            (),
+        )
         if core.pool.filter is not None:
             yield "counter", STORES_SKIPPED, self._delta(STORES_SKIPPED, (), st.stores_skipped), ()
         if not self.tiering:

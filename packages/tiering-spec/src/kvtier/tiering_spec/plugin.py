@@ -16,10 +16,12 @@ first and uses ``spec_module_path`` only for names not registered, and
   leaves vLLM's names alone everywhere. A plugin that registers those names after
   kvtier took them is skipped with one log line.
 
-On vLLM releases whose offloading specs cannot declare metrics (0.23 up to the
-interfaces of 0.32), the connector name ``OffloadingConnector`` also resolves to
-:class:`kvtier.tiering_spec.vllm_compat.OffloadingConnector`: vLLM's connector, which
-also reports the metrics of kvtier's manager (with any other spec, what vLLM's reports).
+The connector name ``OffloadingConnector`` resolves to
+:class:`kvtier.tiering_spec.connector.OffloadingConnector`: vLLM's connector, which
+with a kvtier spec recomputes a failed transfer instead of failing vLLM's assertion,
+and, on releases whose offloading specs cannot declare metrics (0.23 up to the
+interfaces of 0.32), also reports the metrics of kvtier's manager. With any other
+spec it is vLLM's connector.
 
 It follows kvtier's plugin convention (:mod:`kvtier.blockpool.plugin_glue`): the
 supported vLLM range is this distribution's ``vllm`` extra.
@@ -97,8 +99,7 @@ def _register() -> None:
         claim_name(registry, name, kvtier_loader(MODULE, cls), take=True)
     from kvtier.tiering_spec import vllm_compat
 
-    if not vllm_compat.SPEC_METRICS:
-        _carry_metrics_in_the_connector(version)
+    _claim_connector(version, vllm_compat.SPEC_METRICS)
     from vllm.platforms import current_platform
 
     if should_override(current_platform, os.environ.get(ENV_OVERRIDE)):
@@ -123,7 +124,7 @@ def _register() -> None:
         )
 
 
-def _carry_metrics_in_the_connector(version: str) -> None:
+def _claim_connector(version: str, spec_metrics: bool) -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     from kvtier.blockpool.plugin_glue import claim_name, kvtier_loader
@@ -132,13 +133,14 @@ def _carry_metrics_in_the_connector(version: str) -> None:
     if not isinstance(registry, dict):
         logger.warning("kvtier-tiering-spec: vLLM %s has no connector registry", version)
         return
-    loader = kvtier_loader("kvtier.tiering_spec.vllm_compat", CONNECTOR)
+    loader = kvtier_loader("kvtier.tiering_spec.connector", CONNECTOR)
     outcome = claim_name(registry, CONNECTOR, loader, take=True)
     logger.info(
-        "kvtier-tiering-spec: vLLM %s: %s is vLLM's connector that also reports kvtier's "
-        "metrics (%s)",
+        "kvtier-tiering-spec: vLLM %s: %s is vLLM's connector that, with a kvtier spec, "
+        "recomputes failed transfers%s (%s)",
         version,
         CONNECTOR,
+        "" if spec_metrics else " and reports kvtier's metrics",
         outcome,
     )
 

@@ -169,6 +169,9 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
     """
 
     TIERING = False
+    # Set by kvtier's connector, which reports failed transfers to vLLM's scheduler
+    # as blocks to recompute instead of failing vLLM's assertion.
+    failures_reported = False
 
     @classmethod
     def kvtier_metric_table(cls, extra_config: Mapping[str, Any]) -> dict[str, m.MetricRow]:
@@ -407,6 +410,7 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
             self._worker = KvtierOffloadingWorker(
                 core, store=not self.replicated_layout or self.rank == 0
             )
+            self._worker.failures_reported = self.failures_reported
             logger.info(
                 "kvtier %s worker rank %d: %d host chunks x %d bytes (%s), copies on %s (%s)",
                 type(self).__name__,
@@ -607,14 +611,41 @@ class KvtierOffloadingManager(OffloadingManager):
 
 
 class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type]
-    """vLLM's ``OffloadingWorker`` over :class:`OffloadTransferWorker`."""
+    """vLLM's ``OffloadingWorker`` over :class:`OffloadTransferWorker`.
+
+    vLLM asserts that every transfer succeeds. Under kvtier's connector
+    (:mod:`kvtier.tiering_spec.connector`, which sets ``failures_reported``), a job
+    that fails (a plan the copy engine refuses, a failed copy) is reported to vLLM as
+    done and to the connector as failed: a failed load's device blocks are recomputed,
+    a failed store's host blocks are never read. Without it, a failure reaches vLLM.
+    """
 
     def __init__(self, core: OffloadTransferWorker, *, store: bool = True) -> None:
         self.core = core
         # False on ranks other than 0 of a replicated layout: vLLM 0.32 and 0.33 send
         # them no stores; a release that did would have them rewrite rank 0's copy.
         self.store = store
+        self.failures_reported = False
         self._skipped: list[int] = []
+        self._refused: list[int] = []
+        self._load_blocks: dict[int, list[int]] = {}  # load job -> device block ids
+        self._load_errors: set[int] = set()
+        self._failed_stores: list[int] = []
+        self._logged: set[str] = set()
+
+    def _refuse(self, job_id: int, what: str, exc: Exception) -> None:
+        if not self.failures_reported:
+            raise exc
+        if what not in self._logged:
+            self._logged.add(what)
+            logger.error(
+                "kvtier: a %s plan was refused by the copy engine (%s: %s); that transfer "
+                "failed and is recomputed. Further refusals are only counted.",
+                what,
+                type(exc).__name__,
+                exc,
+            )
+        self._refused.append(job_id)
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
@@ -623,13 +654,16 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
             # Acknowledged as done: the scheduler waits for every rank's report of a job.
             self._skipped.append(job_id)
             return True
-        self.core.submit_store(
-            job_id,
-            src_spec.block_ids.tolist(),
-            list(src_spec.group_sizes),
-            list(src_spec.block_indices),
-            dst_spec.block_ids.tolist(),  # type: ignore[attr-defined]
-        )
+        try:
+            self.core.submit_store(
+                job_id,
+                src_spec.block_ids.tolist(),
+                list(src_spec.group_sizes),
+                list(src_spec.block_indices),
+                dst_spec.block_ids.tolist(),  # type: ignore[attr-defined]
+            )
+        except Exception as exc:
+            self._refuse(job_id, "store", exc)
         return True
 
     def submit_load(
@@ -639,21 +673,46 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
         dst_spec: GPULoadStoreSpec,
         expedited: bool = False,  # vLLM 0.33: a load vLLM waits for at once; all start at once
     ) -> bool:
-        self.core.submit_load(
-            job_id,
-            src_spec.block_ids.tolist(),  # type: ignore[attr-defined]
-            dst_spec.block_ids.tolist(),
-            list(dst_spec.group_sizes),
-            list(dst_spec.block_indices),
-        )
+        device_ids = dst_spec.block_ids.tolist()
+        self._load_blocks[job_id] = device_ids
+        try:
+            self.core.submit_load(
+                job_id,
+                src_spec.block_ids.tolist(),  # type: ignore[attr-defined]
+                device_ids,
+                list(dst_spec.group_sizes),
+                list(dst_spec.block_indices),
+            )
+        except Exception as exc:
+            self._refuse(job_id, "load", exc)
         return True
 
     def get_finished(self) -> list[Any]:
         skipped, self._skipped = self._skipped, []
-        return [compat.transfer_result(j, True, 0, 0.0) for j in skipped] + [
-            compat.transfer_result(j.job_id, j.ok, j.nbytes, j.seconds)
-            for j in self.core.get_finished()
-        ]
+        refused, self._refused = self._refused, []
+        done = [(j, True, 0, 0.0) for j in skipped] + [(j, False, 0, 0.0) for j in refused]
+        done += [(j.job_id, j.ok, j.nbytes, j.seconds) for j in self.core.get_finished()]
+        results = []
+        for job_id, ok, nbytes, seconds in done:
+            device_ids = self._load_blocks.pop(job_id, None)
+            if not ok and self.failures_reported:
+                ok = True  # for vLLM, which asserts; the connector learns the truth
+                if device_ids is not None:
+                    self._load_errors.update(device_ids)
+                else:
+                    self._failed_stores.append(job_id)
+            results.append(compat.transfer_result(job_id, ok, nbytes, seconds))
+        return results
+
+    def take_load_errors(self) -> set[int]:
+        """Device block ids of failed loads since the last call (to recompute)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_failed_stores(self) -> list[int]:
+        """Store jobs that failed since the last call (their host blocks hold no KV)."""
+        failed, self._failed_stores = self._failed_stores, []
+        return failed
 
     def wait(self, job_ids: set[int]) -> None:
         self.core.wait(job_ids)

@@ -1,0 +1,132 @@
+"""kvtier's ``OffloadingConnector``: vLLM's, with failed transfers recomputed.
+
+vLLM's offloading connector asserts that every transfer succeeds, so one bad plan or
+failed copy takes the engine down. With a kvtier spec, this connector (registered
+under vLLM's name ``OffloadingConnector``) turns a failure into recompute instead:
+
+* a failed **load**: its device blocks are reported through
+  ``get_block_ids_with_load_errors``, and the scheduler recomputes them
+  (``kv_load_failure_policy`` is set to ``recompute``, with a log line);
+* a failed **store**: the job id travels to the scheduler in the worker metadata,
+  and the manager drops the job's host blocks before vLLM completes the job, so
+  they are never loaded.
+
+With any other spec it is vLLM's connector unchanged. On releases without spec
+metrics it builds on :class:`kvtier.tiering_spec.vllm_compat.OffloadingConnector`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+
+from kvtier.tiering_spec import vllm_compat as compat
+from kvtier.tiering_spec.vllm_adapter import KvtierOffloadingManager, _KvtierSpec
+
+logger = logging.getLogger("kvtier.tiering_spec")
+
+if compat.SPEC_METRICS:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector as _Base,
+    )
+else:
+    _Base = compat.OffloadingConnector
+
+
+@dataclasses.dataclass
+class KvtierWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc]
+    """vLLM's worker metadata plus the store jobs that failed on some rank."""
+
+    failed_store_jobs: set[int] = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def of(cls, meta: Any, failed: set[int]) -> KvtierWorkerMetadata:
+        fields = {
+            f.name: getattr(meta, f.name)
+            for f in dataclasses.fields(meta)
+            if f.name != "failed_store_jobs"
+        }
+        return cls(**fields, failed_store_jobs=set(failed))
+
+    def aggregate(self, other: Any) -> Any:
+        merged = super().aggregate(other)
+        return KvtierWorkerMetadata.of(
+            merged, self.failed_store_jobs | set(getattr(other, "failed_store_jobs", ()))
+        )
+
+
+class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
+    """vLLM's ``OffloadingConnector``; with a kvtier spec, failed transfers are
+    recomputed instead of failing vLLM's assertion."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kvtier_worker_spec: _KvtierSpec | None = None
+        self._kvtier_manager: KvtierOffloadingManager | None = None
+        self._failed_stores_seen = 0
+        self._store_failure_logged = False
+        worker = getattr(self, "connector_worker", None)
+        spec = getattr(worker, "spec", None)
+        if isinstance(spec, _KvtierSpec):
+            spec.failures_reported = True
+            self._kvtier_worker_spec = spec
+        scheduler = getattr(self, "connector_scheduler", None)
+        manager = getattr(scheduler, "manager", None)
+        if isinstance(manager, KvtierOffloadingManager):
+            self._kvtier_manager = manager
+            transfer = self._vllm_config.kv_transfer_config
+            if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+                logger.info(
+                    "kvtier: kv_load_failure_policy set to 'recompute' (was %r): a "
+                    "transfer kvtier cannot complete is recomputed, never an error",
+                    transfer.kv_load_failure_policy,
+                )
+                transfer.kv_load_failure_policy = "recompute"
+
+    # -- worker side ----------------------------------------------------------------
+
+    def _kvtier_worker(self) -> Any:
+        spec = self._kvtier_worker_spec
+        return None if spec is None else spec._worker
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = set(super().get_block_ids_with_load_errors())
+        worker = self._kvtier_worker()
+        if worker is not None:
+            errors |= worker.take_load_errors()
+        return errors
+
+    def build_connector_worker_meta(self) -> Any:
+        meta = super().build_connector_worker_meta()
+        worker = self._kvtier_worker()
+        if worker is None or meta is None:
+            return meta
+        # Every rank's metadata is of this type, so aggregation keeps the failures.
+        return KvtierWorkerMetadata.of(meta, set(worker.take_failed_stores()))
+
+    # -- scheduler side -------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        failed = getattr(meta, "failed_store_jobs", None)
+        if failed and self._kvtier_manager is not None:
+            jobs = getattr(self.connector_scheduler, "_jobs", {})
+            for job_id in failed:
+                status = jobs.get(job_id)
+                if status is not None and status.is_store:
+                    # Dropped now; vLLM's completion of the job then finds nothing stored.
+                    self._kvtier_manager.core.complete_store(list(status.keys), False)
+                    self._failed_stores_seen += 1
+            if self._failed_stores_seen and not self._store_failure_logged:
+                self._store_failure_logged = True
+                logger.warning(
+                    "kvtier: a store to the host tier failed on a worker; its blocks are "
+                    "dropped, never loaded (further failures are counted in "
+                    "vllm:kvtier_host_store_failures)"
+                )
+        super().update_connector_output(connector_output)
