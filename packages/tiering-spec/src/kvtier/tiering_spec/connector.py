@@ -21,14 +21,17 @@ import dataclasses
 import logging
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingWorkerMetadata,
-)
-
 from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.vllm_adapter import KvtierOffloadingManager, _KvtierSpec
 
 logger = logging.getLogger("kvtier.tiering_spec")
+
+try:  # where completed jobs reach the scheduler in worker metadata (0.23 to 0.33)
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+except ImportError:  # pragma: no cover - a release without it: vLLM's connector as is
+    OffloadingWorkerMetadata = None
 
 if compat.SPEC_METRICS:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -39,7 +42,7 @@ else:
 
 
 @dataclasses.dataclass
-class KvtierWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc]
+class KvtierWorkerMetadata(OffloadingWorkerMetadata or object):  # type: ignore[misc]
     """vLLM's worker metadata plus the store jobs that failed on some rank."""
 
     failed_store_jobs: set[int] = dataclasses.field(default_factory=set)
@@ -70,6 +73,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         self._kvtier_manager: KvtierOffloadingManager | None = None
         self._failed_stores_seen = 0
         self._store_failure_logged = False
+        if OffloadingWorkerMetadata is None:
+            return
         worker = getattr(self, "connector_worker", None)
         spec = getattr(worker, "spec", None)
         if isinstance(spec, _KvtierSpec):
