@@ -10,9 +10,17 @@ Item 3, trust nothing on disk: directories that are links, another user's, or
 writable by group or others are refused at start; block files are opened without
 following links, so a link planted under a block's name is never read.
 
-Item 4, storage never blocks the scheduler: a cache reset and a shutdown wait for
-hung fs jobs a bounded time, count the timeout as a fault, and never hand out a host
-block that a late read may still fill.
+Item 2, never fill a disk: a default capacity from the free space, the restart scan
+(damaged, stale and old-fingerprint files) in the background; ENOSPC handling is in
+test_fstier.
+
+Item 4, storage never blocks the scheduler: no filesystem call on a lookup; a folder
+deleted at run time is made again; a cache reset and a shutdown wait for hung fs jobs
+a bounded time, count the timeout as a fault, and never hand out a host block that a
+late read may still fill; a transfer the copy engine refuses is recomputed, not fatal.
+
+Item 6, replicated KV kept once: test_replicated (engine-free) and test_e2e's TP 2 run
+of an MLA model. Item 7, the fs tier's CPU cost: ``nox -s bench-tiering`` prints its bar.
 
 Item 5, configuration: unknown keys are named in a warning; strings are refused where
 a boolean or a number is expected; thread counts are bounded; a capacity that cannot
