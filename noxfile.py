@@ -273,10 +273,13 @@ _HAS_IBVERBS = "import ctypes.util, sys; sys.exit(0 if ctypes.util.find_library(
 @nox.session
 def pd(session: nox.Session) -> None:
     """The guide's P/D decode node with vLLM's real MooncakeConnector over TCP (a prefill
-    and a decode server on loopback). Installs Mooncake's transfer engine and, as root
-    on Debian, the libibverbs1 it links."""
+    and a decode server on loopback), and the tiering spec's store tier against a real
+    Mooncake Store master. Installs Mooncake's transfer engine and, as root on Debian,
+    the libibverbs1 it links."""
     install_packages(
-        session, ["kvtier-recompute-connector", "kvtier-testkit"], *TEST_DEPS,
+        session,
+        ["kvtier-recompute-connector", "kvtier-tiering-spec", "kvtier-testkit"],
+        *TEST_DEPS,
         "mooncake-transfer-engine-non-cuda",
         with_vllm=True,
     )  # fmt: skip
@@ -291,7 +294,11 @@ def pd(session: nox.Session) -> None:
         session.run("apt-get", "install", "-y", "-qq", "libibverbs1", external=True)
     tests = PACKAGES["kvtier-recompute-connector"].folder / "tests"
     test = tests / "recompute_connector_tests" / "test_pd_mooncake.py"
-    session.run("pytest", "-p", "no:cacheprovider", str(test), env={"KVTIER_PD_MOONCAKE": "1"})
+    store = PACKAGES["kvtier-tiering-spec"].folder / "tests/tiering_spec_tests/test_storetier.py"
+    session.run(
+        "pytest", "-p", "no:cacheprovider", str(test), str(store),
+        env={"KVTIER_PD_MOONCAKE": "1", "KVTIER_REQUIRE_MOONCAKE": "1"},
+    )  # fmt: skip
 
 
 @nox.session

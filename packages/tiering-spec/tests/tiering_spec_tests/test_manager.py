@@ -190,3 +190,19 @@ def test_usage_gauges_follow_the_excerpts_meanings() -> None:
 
 def test_payload_constant_is_aligned() -> None:
     assert PAYLOAD % 4096 == 0
+
+
+def test_a_key_a_tier_cannot_answer_yet_is_pending_not_a_miss(make_tier) -> None:
+    region = Region(4)
+    tier = make_tier(region)
+    answers: list[bool | None] = [None]
+    real = tier.contains
+
+    def asking(digest: bytes) -> bool | None:
+        # A store tier answers an unknown key after a background check.
+        return answers.pop(0) if answers else real(digest)
+
+    tier.contains = asking  # type: ignore[method-assign]
+    mgr = TierManager(HostBlockPool(4), [tier])
+    assert mgr.lookup(b"k") is Lookup.HIT_PENDING, "an unanswered key was a miss"
+    assert mgr.lookup(b"k") is Lookup.MISS

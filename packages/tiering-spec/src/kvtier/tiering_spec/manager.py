@@ -113,8 +113,13 @@ class TierManager:
         if not self.fs_tiers:
             return Lookup.MISS
         digest = key_digest(key)
+        unknown = False
         for idx, tier in enumerate(self.fs_tiers):
-            if not tier.contains(digest):
+            found = tier.contains(digest)
+            if found is None:  # a store tier is asking its store: ask again next step
+                unknown = True
+                continue
+            if not found:
                 continue
             # Only cached keys are protected; naming any other would reserve a block for it.
             protect = [k for k in self._pass_keys if pool.contains(k)]
@@ -132,7 +137,7 @@ class TierManager:
                 self._load_sources.popitem(last=False)
             self._pass_keys.append(key)
             return Lookup.HIT_PENDING
-        return Lookup.MISS
+        return Lookup.HIT_PENDING if unknown else Lookup.MISS
 
     def load_source(self, key: bytes) -> str:
         """``"host"``, or the fs tier's name when the key was promoted from it."""

@@ -1,0 +1,528 @@
+"""A store tier: host blocks as objects in a key-value store that many engines share.
+
+Mooncake Store is the store this is built for (``mooncake.store.MooncakeDistributedStore``,
+any object with the :class:`StoreClient` methods works). Runs in the scheduler process,
+like the fs tier, with the same duck-typed interface, so the manager treats both alike.
+
+* **Keys and bytes as in the fs tier.** One object per copy (rank) of a host block,
+  named ``kvtier-kv-v1/<layout fingerprint>/<key digest>``; its bytes are the fs tier's
+  file: a 4096-byte header (fingerprint, key digest, length, XXH3-64 of the payload)
+  then the payload. An object whose header or checksum does not match is a miss,
+  counted and removed; one the store evicted is a miss, counted.
+* **Zero copy.** The host region is registered with the store client once; a write
+  puts from, and a read gets into, the host block itself (plus a header page).
+* **No store call on the scheduler thread.** Lookups read an in-memory index of
+  objects this tier wrote or found. An unknown key is handed to a background thread
+  that asks the store in batches; until it answers, :meth:`StoreTier.contains`
+  returns None ("ask again"); a key the store lacks is remembered for
+  ``NEGATIVE_TTL_S``.
+* **A store that is down or slow gives misses.** A failed call counts a fault and
+  sends the tier into a back-off (``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``)
+  during which lookups miss, writes are dropped and nothing waits on the store.
+
+Units: bytes, unless a name says blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvtier.tiering_spec import fsformat
+from kvtier.tiering_spec.fstier import FAULT_KINDS, FsResult, FsStats
+
+logger = logging.getLogger("kvtier.tiering_spec")
+
+# Objects per batched store call (and header pages registered for them).
+MAX_BATCH = 64
+# How long a key the store lacks is not asked about again.
+NEGATIVE_TTL_S = 2.0
+# Back-off after a failed store call: doubled per failure up to the maximum.
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 30.0
+# Keys the index remembers (least recently used dropped first).
+MAX_INDEX_ENTRIES = 1_000_000
+SHUTDOWN_TIMEOUT_S = 10.0
+# Mooncake's error code for an object that does not exist (evicted or never put).
+OBJECT_NOT_FOUND = -704
+
+
+class StoreClient(Protocol):
+    """The calls of Mooncake Store's Python client this tier uses."""
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
+
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]
+    ) -> list[int]: ...
+
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]
+    ) -> list[int]: ...
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class StoreTierSettings:
+    """What the tier needs besides the client: its name, locality and events switch."""
+
+    name: str = "mooncake"
+    locality: str = "REMOTE"
+    enable_kv_events: bool = True
+
+
+def _address(view: memoryview) -> int:
+    """The address of a writable buffer's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class StoreTier:
+    """One store tier for one engine.
+
+    Args:
+        client: a connected store client (see :class:`StoreClient`).
+        layouts: one layout description per copy (rank), as for the fs tier.
+        payload_bytes: bytes of one copy of a host block (a multiple of 4096).
+        region_views: returns one writable memoryview per copy over its host region,
+            or None while the regions cannot be mapped yet.
+        settings: name, locality and events switch.
+    """
+
+    def __init__(
+        self,
+        client: StoreClient,
+        layouts: Sequence[dict[str, Any]],
+        payload_bytes: int,
+        region_views: Callable[[], Sequence[memoryview] | None],
+        settings: StoreTierSettings = StoreTierSettings(),
+    ) -> None:
+        if payload_bytes <= 0 or payload_bytes % fsformat.ALIGNMENT:
+            raise ValueError(
+                f"payload_bytes must be a positive multiple of 4096, got {payload_bytes}"
+            )
+        self.client = client
+        self.cfg = settings
+        self.name = settings.name
+        self.payload_bytes = payload_bytes
+        self.object_bytes = fsformat.HEADER_SIZE + payload_bytes
+        self.copies = len(layouts)
+        self.entry_bytes = self.object_bytes * self.copies
+        self.fingerprints = [fsformat.layout_fingerprint(layout) for layout in layouts]
+        self._prefixes = [f"{fsformat.FORMAT_DIR}/{fp.hex()}/" for fp in self.fingerprints]
+        self._region_views = region_views
+        self._regions: list[int] | None = None  # base address of each copy's region
+        self._views: Sequence[memoryview] | None = None
+        # Header pages for one batch, registered with the client once.
+        self._headers = mmap.mmap(-1, fsformat.HEADER_SIZE * MAX_BATCH * self.copies)
+        self._headers_view = memoryview(self._headers)
+        self._headers_addr = _address(self._headers_view)
+        if client.register_buffer(self._headers_addr, len(self._headers)) != 0:
+            raise RuntimeError(f"store tier {self.name!r}: registering header buffers failed")
+
+        self.stats = FsStats()
+        self._faults: dict[str, int] = dict.fromkeys((*FAULT_KINDS, "unreachable"), 0)
+        self._fault_logged: set[str] = set()
+        self._index: OrderedDict[bytes, bytes | None] = OrderedDict()  # digest -> key
+        self._absent: dict[bytes, float] = {}  # digest -> when it may be asked again
+        self._probing: set[bytes] = set()
+        self._writing: set[bytes] = set()
+        self._reading: dict[bytes, int] = {}
+        self._events: list[tuple[bool, list[bytes]]] = []
+        self._inflight = 0
+        self._down_until = 0.0
+        self._backoff = BACKOFF_MIN_S
+        self._closed = False
+        self.stuck = False
+        # I/O thread results and probe answers, taken in by poll() (scheduler thread).
+        self._results: deque[FsResult] = deque()
+        self._answers: deque[tuple[bytes, bool]] = deque()
+        self._failures: deque[str] = deque()
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._probes: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._serve_jobs, name=f"kvtier-{self.name}-io", daemon=True),
+            threading.Thread(
+                target=self._serve_probes, name=f"kvtier-{self.name}-probe", daemon=True
+            ),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ----------------------------------------------------------------- helpers
+
+    def object_keys(self, digest: bytes) -> list[str]:
+        """The store keys of a key digest, one per copy."""
+        hexd = digest.hex()
+        return [prefix + hexd for prefix in self._prefixes]
+
+    def _regions_now(self) -> list[int] | None:
+        if self._regions is None:
+            views = self._region_views()
+            if views is None:
+                return None
+            regions = []
+            for view in views:
+                addr = _address(view)
+                if self.client.register_buffer(addr, len(view)) != 0:
+                    raise RuntimeError(f"store tier {self.name!r}: registering the region failed")
+                regions.append(addr)
+            self._views, self._regions = views, regions
+        return self._regions
+
+    def _down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    # ----------------------------------------------------------------- queries
+
+    def contains(self, digest: bytes) -> bool | None:
+        """Whether the store holds ``digest``: True or False from memory, or None when
+        unknown (a background check was started; ask again)."""
+        if digest in self._index:
+            self.stats.queries += 1
+            self.stats.hits += 1
+            return True
+        if self._closed or self._down():
+            self.stats.queries += 1
+            return False
+        until = self._absent.get(digest)
+        if until is not None:
+            if time.monotonic() < until:
+                self.stats.queries += 1
+                return False
+            del self._absent[digest]
+        if digest not in self._probing:
+            self._probing.add(digest)
+            self._probes.put(digest)
+        return None
+
+    def has(self, digest: bytes) -> bool:
+        return digest in self._index or digest in self._writing
+
+    def touch(self, digests: Sequence[bytes]) -> None:
+        index = self._index
+        for digest in reversed(digests):
+            if digest in index:
+                index.move_to_end(digest)
+
+    @property
+    def in_flight(self) -> int:
+        return self._inflight or len(self._probing)
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._index) * self.entry_bytes
+
+    def faults(self) -> dict[str, int]:
+        return dict(self._faults)
+
+    # ----------------------------------------------------------------- jobs
+
+    def submit_write(self, key: bytes, digest: bytes, block_id: int) -> bool:
+        """Put host block ``block_id`` (every copy) as ``key``. False if not submitted."""
+        if self._closed or digest in self._index or digest in self._writing:
+            return False
+        if self._down() or self._regions_now() is None:
+            self.stats.writes_dropped += 1
+            return False
+        self._writing.add(digest)
+        self._inflight += 1
+        self._jobs.put(("write", key, digest, block_id))
+        return True
+
+    def submit_read(self, key: bytes, digest: bytes, block_id: int) -> bool:
+        """Get ``key``'s objects into host block ``block_id``. False if not submitted."""
+        if self._closed or digest not in self._index or self._down():
+            return False
+        if self._regions_now() is None:
+            return False
+        self._reading[digest] = self._reading.get(digest, 0) + 1
+        self._index.move_to_end(digest)
+        self._inflight += 1
+        self._jobs.put(("read", key, digest, block_id))
+        return True
+
+    def poll(self) -> list[FsResult]:
+        """Finished jobs and probe answers since the last call (scheduler thread)."""
+        while self._failures:
+            self._back_off(self._failures.popleft())
+        now = time.monotonic()
+        while self._answers:
+            digest, present = self._answers.popleft()
+            self._probing.discard(digest)
+            if present:
+                self._remember(digest, None)
+            else:
+                self._absent[digest] = now + NEGATIVE_TTL_S
+        if len(self._absent) > MAX_INDEX_ENTRIES:
+            self._absent = {d: t for d, t in self._absent.items() if t > now}
+        out: list[FsResult] = []
+        while self._results:
+            res = self._results.popleft()
+            self._inflight -= 1
+            digest = fsformat.key_digest(res.key)
+            if res.op == "write":
+                self._writing.discard(digest)
+                if res.ok:
+                    self._remember(digest, res.key)
+                    self.stats.writes += 1
+                    self.stats.write_bytes += res.nbytes
+                    self.stats.write_seconds += res.seconds
+                    if self.cfg.enable_kv_events:
+                        self._events.append((False, [res.key]))
+                else:
+                    self._fault(res.fault or "write_failed", res)
+            else:
+                count = self._reading.get(digest, 0) - 1
+                if count > 0:
+                    self._reading[digest] = count
+                else:
+                    self._reading.pop(digest, None)
+                if res.ok:
+                    self.stats.reads += 1
+                    self.stats.read_bytes += res.nbytes
+                    self.stats.read_seconds += res.seconds
+                else:
+                    self._fault(res.fault or "unreadable", res)
+                    self._forget(digest, res.key)
+            out.append(res)
+        self.stats.used_bytes = self.used_bytes
+        self.stats.entries = len(self._index)
+        return out
+
+    def _remember(self, digest: bytes, key: bytes | None) -> None:
+        self._index[digest] = key if key is not None else self._index.get(digest)
+        self._index.move_to_end(digest)
+        if len(self._index) > MAX_INDEX_ENTRIES:
+            self._index.popitem(last=False)
+
+    def _forget(self, digest: bytes, key: bytes | None) -> None:
+        known = self._index.pop(digest, None)
+        if self.cfg.enable_kv_events and (known or key):
+            self._events.append((True, [known or key]))  # type: ignore[list-item]
+
+    def _fault(self, kind: str, res: FsResult) -> None:
+        self._faults[kind] = self._faults.get(kind, 0) + 1
+        if kind not in self._fault_logged:
+            self._fault_logged.add(kind)
+            logger.warning(
+                "kvtier store tier %r: %s of the object for key %s failed (%s); treated as a "
+                "miss, never loaded. Further faults of this kind are only counted "
+                "(metric vllm:kvtier_fs_faults{tier=%r,kind=%r}).",
+                self.name,
+                res.op,
+                fsformat.key_digest(res.key).hex(),
+                kind,
+                self.name,
+                kind,
+            )
+
+    def _back_off(self, why: str) -> None:
+        self._faults["unreachable"] += 1
+        self._down_until = time.monotonic() + self._backoff
+        if "unreachable" not in self._fault_logged:
+            self._fault_logged.add("unreachable")
+            logger.warning(
+                "kvtier store tier %r: the store did not answer (%s); lookups miss and writes "
+                "are dropped for %.1f s, then it is tried again (back-off up to %.0f s; "
+                "metric vllm:kvtier_fs_faults{tier=%r,kind='unreachable'})",
+                self.name,
+                why,
+                self._backoff,
+                BACKOFF_MAX_S,
+                self.name,
+            )
+        self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+
+    def take_events(self) -> list[tuple[bool, list[bytes]]]:
+        events, self._events = self._events, []
+        return events
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job finished (``poll`` collects them), or
+        ``timeout`` seconds: then False, and a ``timeout`` fault is counted."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._inflight - len(self._results) > 0:
+            if deadline is not None and time.monotonic() > deadline:
+                self._faults["timeout"] += 1
+                return False
+            time.sleep(0.001)
+        return True
+
+    def wait_probes(self, timeout: float = 10.0) -> None:
+        """Wait until every started existence check answered (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while len(self._answers) < len(self._probing) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.poll()
+
+    def shutdown(self) -> bool:
+        """Stop the threads (waiting at most ``SHUTDOWN_TIMEOUT_S``); False if one is
+        still in a store call (the host region must then stay mapped)."""
+        if self._closed:
+            return not self.stuck
+        self._closed = True
+        self._jobs.put(None)
+        self._probes.put(None)
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.stuck = any(t.is_alive() for t in self._threads)
+        if self.stuck:
+            self._faults["timeout"] += 1
+        self.poll()
+        return not self.stuck
+
+    # ----------------------------------------------------------------- threads
+
+    def _serve_jobs(self) -> None:
+        jobs = self._jobs
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            batch = [job]
+            while len(batch) < MAX_BATCH:
+                try:
+                    nxt = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    jobs.put(None)  # finish this batch, then stop
+                    break
+                batch.append(nxt)
+            for op in ("write", "read"):
+                same = [j for j in batch if j[0] == op]
+                if same:
+                    self._run_batch(op, same)
+
+    def _run_batch(self, op: str, batch: list[tuple[str, bytes, bytes, int]]) -> None:
+        t0 = time.perf_counter()
+        regions = self._regions
+        views = self._views
+        assert regions is not None and views is not None
+        keys: list[str] = []
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        payload = self.payload_bytes
+        hsize = fsformat.HEADER_SIZE
+        for i, (_, _key, digest, block) in enumerate(batch):
+            for copy, name in enumerate(self.object_keys(digest)):
+                slot = i * self.copies + copy
+                head = self._headers_addr + slot * hsize
+                if op == "write":
+                    data = views[copy][block * payload : (block + 1) * payload]
+                    page = self._headers_view[slot * hsize : (slot + 1) * hsize]
+                    page[: fsformat.HEADER_USED] = fsformat.encode_header(
+                        self.fingerprints[copy], digest, payload, fsformat.checksum(data)
+                    )
+                keys.append(name)
+                ptrs.append([head, regions[copy] + block * payload])
+                sizes.append([hsize, payload])
+        try:
+            if op == "write":
+                codes = list(self.client.batch_put_from_multi_buffers(keys, ptrs, sizes))
+            else:
+                codes = list(self.client.batch_get_into_multi_buffers(keys, ptrs, sizes))
+        except Exception as exc:  # the client raised: the store is unusable for now
+            codes = [-1] * len(keys)
+            self._failures.append(f"{type(exc).__name__}: {exc}")
+        if len(codes) != len(keys):
+            codes = [-1] * len(keys)
+        if codes and all(c < 0 and c != OBJECT_NOT_FOUND for c in codes):
+            self._failures.append(f"{op} returned {codes[0]}")
+        seconds = (time.perf_counter() - t0) / max(1, len(batch))
+        corrupt: list[str] = []
+        for i, (_, key, digest, block) in enumerate(batch):
+            mine = codes[i * self.copies : (i + 1) * self.copies]
+            if op == "write":
+                fault = None if all(c == 0 for c in mine) else "write_failed"
+            else:
+                fault = self._check_read(i, digest, block, mine)
+                if fault == "corrupt":  # removed so that no engine tries it again
+                    corrupt += self.object_keys(digest)
+            self._results.append(
+                FsResult(
+                    op,
+                    key,
+                    block,
+                    fault is None,
+                    fault,
+                    self.entry_bytes if fault is None else 0,
+                    seconds,
+                )
+            )
+        if corrupt:
+            try:
+                self.client.batch_remove(corrupt, True)
+            except Exception:
+                pass
+
+    def _check_read(self, i: int, digest: bytes, block: int, codes: list[int]) -> str | None:
+        """The fault of one read (None if every copy arrived intact)."""
+        if any(c == OBJECT_NOT_FOUND for c in codes):
+            return "vanished"
+        if any(c < 0 for c in codes):
+            return "unreadable"
+        if any(c != self.object_bytes for c in codes):
+            return "corrupt"
+        views = self._views
+        assert views is not None
+        hsize = fsformat.HEADER_SIZE
+        payload = self.payload_bytes
+        for copy in range(self.copies):
+            slot = i * self.copies + copy
+            page = self._headers_view[slot * hsize : (slot + 1) * hsize]
+            try:
+                crc = fsformat.decode_header(
+                    page,
+                    fingerprint=self.fingerprints[copy],
+                    digest=digest,
+                    payload_len=payload,
+                )
+            except fsformat.FormatError:
+                return "corrupt"
+            data = views[copy][block * payload : (block + 1) * payload]
+            if fsformat.checksum(data) != crc:
+                return "corrupt"
+        return None
+
+    def _serve_probes(self) -> None:
+        probes = self._probes
+        while True:
+            digest = probes.get()
+            if digest is None:
+                return
+            batch = [digest]
+            while len(batch) < MAX_BATCH:
+                try:
+                    nxt = probes.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    probes.put(None)
+                    break
+                batch.append(nxt)
+            keys = [k for d in batch for k in self.object_keys(d)]
+            try:
+                codes = list(self.client.batch_is_exist(keys))
+            except Exception as exc:
+                codes = [-1] * len(keys)
+                self._failures.append(f"{type(exc).__name__}: {exc}")
+            if len(codes) != len(keys):
+                codes = [-1] * len(keys)
+            elif codes and all(c < 0 for c in codes):
+                self._failures.append(f"existence check returned {codes[0]}")
+            for i, d in enumerate(batch):
+                mine = codes[i * self.copies : (i + 1) * self.copies]
+                self._answers.append((d, all(c == 1 for c in mine)))

@@ -1,0 +1,239 @@
+"""The store tier against a real Mooncake Store: a ``mooncake_master`` on loopback.
+
+Needs ``mooncake-transfer-engine-non-cuda`` (and Debian's libibverbs1); without it the
+tests skip, unless ``KVTIER_REQUIRE_MOONCAKE=1`` (the nox session that installs it),
+where they fail instead.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.tiering_spec import fsformat
+from kvtier.tiering_spec.fsformat import key_digest
+from kvtier.tiering_spec.storetier import StoreTier, StoreTierSettings
+
+PAYLOAD = 65536
+
+
+def _mooncake() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except Exception as exc:  # ImportError, or a missing libibverbs
+        if os.environ.get("KVTIER_REQUIRE_MOONCAKE") == "1":
+            raise
+        pytest.skip(f"Mooncake Store client not available: {exc}")
+    return MooncakeDistributedStore
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Master:
+    """A ``mooncake_master`` with its HTTP metadata server, on loopback."""
+
+    def __init__(self, workdir: Path) -> None:
+        beside = Path(sys.executable).with_name("mooncake_master")  # in the venv's bin
+        exe = shutil.which("mooncake_master") or str(beside)
+        self.rpc, self.http, self.metrics = _free_port(), _free_port(), _free_port()
+        self.log = open(workdir / f"master-{self.rpc}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                exe,
+                f"--rpc_port={self.rpc}",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.http}",
+                f"--metrics_port={self.metrics}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.rpc), timeout=0.2).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"mooncake_master did not start (see {self.log.name})")
+
+    def client(self) -> Any:
+        store = _mooncake()()
+        rc = store.setup(
+            "127.0.0.1",
+            f"http://127.0.0.1:{self.http}/metadata",
+            64 << 20,
+            16 << 20,
+            "tcp",
+            "",
+            f"127.0.0.1:{self.rpc}",
+        )
+        assert rc == 0, f"setup returned {rc}"
+        return store
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
+    _mooncake()
+    m = Master(tmp_path_factory.mktemp("mooncake"))
+    yield m
+    m.stop()
+
+
+class Region:
+    def __init__(self, blocks: int, copies: int = 1) -> None:
+        self.maps = [mmap.mmap(-1, blocks * PAYLOAD) for _ in range(copies)]
+
+    def views(self) -> list[memoryview]:
+        return [memoryview(m) for m in self.maps]
+
+    def fill(self, copy: int, block: int, seed: int) -> bytes:
+        data = (seed.to_bytes(4, "little") * (PAYLOAD // 4))[:PAYLOAD]
+        self.maps[copy][block * PAYLOAD : (block + 1) * PAYLOAD] = data
+        return data
+
+    def block(self, copy: int, block: int) -> bytes:
+        return bytes(self.maps[copy][block * PAYLOAD : (block + 1) * PAYLOAD])
+
+
+@pytest.fixture
+def make_tier(master: Master) -> Iterator[Any]:
+    made: list[StoreTier] = []
+    model = uuid.uuid4().hex  # each test its own fingerprint: objects never collide
+
+    def make(region: Region, *, client: Any = None, copies: int = 1) -> StoreTier:
+        layouts = [{"model": model, "rank": r, "world_size": copies} for r in range(copies)]
+        tier = StoreTier(
+            client or master.client(), layouts, PAYLOAD, region.views, StoreTierSettings()
+        )
+        made.append(tier)
+        return tier
+
+    yield make
+    for t in made:
+        t.shutdown()
+
+
+def settle(tier: StoreTier, n: int = 1, timeout: float = 10.0) -> list[Any]:
+    out: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        tier.drain(timeout)
+        out += tier.poll()
+    return out
+
+
+def test_a_put_block_gets_back_byte_for_byte_in_every_copy(make_tier) -> None:
+    region = Region(4, copies=2)
+    tier = make_tier(region, copies=2)
+    d0, d1 = region.fill(0, 1, 5), region.fill(1, 1, 6)
+    assert tier.submit_write(b"k", key_digest(b"k"), 1)
+    [res] = settle(tier)
+    assert res.ok, res
+    for m in region.maps:
+        m[:] = bytes(len(m))
+    assert tier.contains(key_digest(b"k")) is True
+    assert tier.submit_read(b"k", key_digest(b"k"), 3)
+    [res] = settle(tier)
+    assert res.ok and region.block(0, 3) == d0 and region.block(1, 3) == d1
+
+
+def test_another_engines_object_is_found_by_a_background_check(make_tier, master) -> None:
+    region_a, region_b = Region(2), Region(2)
+    a = make_tier(region_a)
+    b = make_tier(region_b)  # another client: another engine
+    digest = key_digest(b"shared")
+    assert b.contains(digest) is None, "an unknown key must not be answered on the spot"
+    b.wait_probes()
+    assert b.contains(digest) is False, "the store lacks it"
+    data = region_a.fill(0, 0, 9)
+    assert a.submit_write(b"shared", digest, 0)
+    assert settle(a)[0].ok
+    b._absent.clear()  # past the negative-cache time
+    assert b.contains(digest) is None
+    b.wait_probes()
+    assert b.contains(digest) is True
+    assert b.submit_read(b"shared", digest, 1)
+    assert settle(b)[0].ok and region_b.block(0, 1) == data
+
+
+def test_a_corrupt_object_is_a_counted_miss_and_removed(make_tier, master) -> None:
+    region = Region(2)
+    tier = make_tier(region)
+    digest = key_digest(b"k")
+    region.fill(0, 0, 3)
+    assert tier.submit_write(b"k", digest, 0)
+    assert settle(tier)[0].ok
+    # Another writer replaces the object with bytes whose checksum does not match.
+    raw = master.client()
+    [name] = tier.object_keys(digest)
+    bad = bytearray(fsformat.HEADER_SIZE + PAYLOAD)
+    bad[: fsformat.HEADER_USED] = fsformat.encode_header(tier.fingerprints[0], digest, PAYLOAD, 1)
+    assert raw.remove(name, True) == 0 and raw.put(name, bytes(bad)) == 0
+    assert tier.submit_read(b"k", digest, 1)
+    [res] = settle(tier)
+    assert not res.ok and res.fault == "corrupt" and tier.faults()["corrupt"] == 1
+    assert tier.contains(digest) is None, "a corrupt object stays indexed"
+    tier.wait_probes()
+    assert tier.contains(digest) is False, "a corrupt object was not removed"
+
+
+def test_an_object_the_store_evicted_is_a_counted_miss(make_tier, master) -> None:
+    region = Region(2)
+    tier = make_tier(region)
+    digest = key_digest(b"k")
+    region.fill(0, 0, 3)
+    assert tier.submit_write(b"k", digest, 0)
+    assert settle(tier)[0].ok
+    [name] = tier.object_keys(digest)
+    assert master.client().remove(name, True) == 0  # as the store's own eviction does
+    assert tier.submit_read(b"k", digest, 1)
+    [res] = settle(tier)
+    assert not res.ok and res.fault == "vanished" and tier.faults()["vanished"] == 1
+    assert not tier.has(digest)
+
+
+def test_a_dead_master_gives_misses_and_back_off_never_a_hang(make_tier, tmp_path) -> None:
+    own = Master(tmp_path)
+    try:
+        region = Region(2)
+        tier = make_tier(region, client=own.client())
+        region.fill(0, 0, 1)
+        assert tier.submit_write(b"a", key_digest(b"a"), 0)
+        assert settle(tier)[0].ok
+    finally:
+        own.stop()
+    t0 = time.monotonic()
+    assert tier.submit_write(b"b", key_digest(b"b"), 1)
+    [res] = settle(tier, timeout=60)
+    assert not res.ok
+    tier.poll()
+    assert tier.faults()["unreachable"] >= 1
+    assert tier.contains(key_digest(b"c")) is False, "lookups must miss during back-off"
+    assert not tier.submit_write(b"d", key_digest(b"d"), 1), "writes must be dropped"
+    assert time.monotonic() - t0 < 60
