@@ -28,12 +28,19 @@ from dataclasses import dataclass, field
 from kvtier.blockpool import HostBlockPool, PoolStats
 from kvtier.tiering_spec.fsformat import key_digest
 from kvtier.tiering_spec.fstier import FileSystemTier
+from kvtier.tiering_spec.storetier import StoreTier
+
+# A tier behind the host tier: files (fs) or objects in a shared store (mooncake).
+SecondaryTier = FileSystemTier | StoreTier
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
 _MAX_LOAD_SOURCES = 100_000
 # How long a reset waits for fs jobs in flight before it goes on without them.
 DRAIN_TIMEOUT_S = 30.0
+# A promoted block stays pinned in the host tier until vLLM loads it, or this many
+# scheduler steps: else the promotions of requests waiting behind it evict it first.
+FRESH_STEPS = 32
 
 
 class Lookup(enum.Enum):
@@ -52,6 +59,7 @@ class TierCounters:
     promotions: int = 0
     promotion_failures: int = 0
     promotion_allocation_failures: int = 0
+    promotions_deferred: int = 0
     writes_submitted: int = 0
     writes_dropped: int = 0
     write_failures: int = 0
@@ -71,7 +79,7 @@ class TierManager:
     def __init__(
         self,
         pool: HostBlockPool,
-        fs_tiers: Sequence[FileSystemTier] = (),
+        fs_tiers: Sequence[SecondaryTier] = (),
         *,
         max_write_backlog: int | None = None,
     ) -> None:
@@ -89,6 +97,11 @@ class TierManager:
         # promotions of the same pass (else a long prefix evicts its own head).
         self._pass_req: str | None = None
         self._pass_keys: list[bytes] = []
+        # Promoted keys pinned until loaded (key -> step of the promotion), and a cap on
+        # promoting plus pinned blocks: half the host tier, the rest for stores.
+        self._fresh: OrderedDict[bytes, int] = OrderedDict()
+        self._step = 0
+        self.max_promoting = max(1, pool.num_blocks // 2)
 
     # ------------------------------------------------------------------ lookups
 
@@ -121,6 +134,11 @@ class TierManager:
                 continue
             if not found:
                 continue
+            if len(self._promoting) + len(self._fresh) >= self.max_promoting:
+                # Wait for room instead of recomputing: promotions end in milliseconds
+                # and pinned blocks are loaded or released within FRESH_STEPS.
+                self.counters.promotions_deferred += 1
+                return Lookup.HIT_PENDING
             # Only cached keys are protected; naming any other would reserve a block for it.
             protect = [k for k in self._pass_keys if pool.contains(k)]
             plan = pool.prepare_store([*protect, key])
@@ -151,6 +169,10 @@ class TierManager:
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         self.pool.complete_load(keys)
+        if self._fresh:
+            for key in keys:
+                if self._fresh.pop(key, None) is not None:
+                    self.pool.complete_load([key])  # loaded: the promotion's pin ends
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self.pool.touch(keys)
@@ -219,6 +241,9 @@ class TierManager:
                     if self._promoting.pop(res.key, None) is None:
                         continue
                     pool.complete_store([res.key], success=res.ok)
+                    if res.ok and res.key not in self._fresh:
+                        pool.prepare_load([res.key])  # pinned until vLLM loads it
+                        self._fresh[res.key] = self._step
                     if not res.ok:
                         self.counters.promotion_failures += 1
                         self._load_sources.pop(res.key, None)
@@ -235,8 +260,17 @@ class TierManager:
                         self.counters.write_failures += 1
 
     def end_step(self) -> None:
-        """Once per scheduler step: apply completions, forget the lookup pass."""
+        """Once per scheduler step: apply completions, forget the lookup pass, release
+        promoted blocks not loaded within ``FRESH_STEPS``."""
         self.poll()
+        self._step += 1
+        fresh = self._fresh
+        while fresh:
+            key, step = next(iter(fresh.items()))
+            if self._step - step < FRESH_STEPS:
+                break
+            del fresh[key]
+            self.pool.complete_load([key])
         self._pass_req = None
         self._pass_keys = []
 
@@ -272,6 +306,7 @@ class TierManager:
             self._load_sources.clear()
             return
         self.pool = new_pool
+        self._fresh.clear()
         self._promoting.clear()
         self._write_pins.clear()
         self._num_write_pins = 0
