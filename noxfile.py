@@ -267,6 +267,7 @@ def plugins(session: nox.Session, vllm: str) -> None:
     _pytest(session, paths)
 
 
+MOONCAKE = "mooncake-transfer-engine-non-cuda"
 _HAS_IBVERBS = "import ctypes.util, sys; sys.exit(0 if ctypes.util.find_library('ibverbs') else 1)"
 
 
@@ -280,9 +281,23 @@ def pd(session: nox.Session) -> None:
         session,
         ["kvtier-recompute-connector", "kvtier-tiering-spec", "kvtier-testkit"],
         *TEST_DEPS,
-        "mooncake-transfer-engine-non-cuda",
+        MOONCAKE,
         with_vllm=True,
     )  # fmt: skip
+    _need_ibverbs(session)
+    tests = PACKAGES["kvtier-recompute-connector"].folder / "tests"
+    test = tests / "recompute_connector_tests" / "test_pd_mooncake.py"
+    store = PACKAGES["kvtier-tiering-spec"].folder / "tests/tiering_spec_tests"
+    session.run(
+        "pytest", "-p", "no:cacheprovider", str(test),
+        str(store / "test_storetier.py"), str(store / "test_store_e2e.py"),
+        env={"KVTIER_PD_MOONCAKE": "1", "KVTIER_REQUIRE_MOONCAKE": "1"},
+    )  # fmt: skip
+
+
+def _need_ibverbs(session: nox.Session) -> None:
+    """Mooncake's transfer engine links libibverbs: install it as root on Debian, or
+    fail with the command that does."""
     try:
         session.run("python", "-c", _HAS_IBVERBS, silent=True)
     except nox.command.CommandFailed:
@@ -292,13 +307,6 @@ def pd(session: nox.Session) -> None:
             )
         session.run("apt-get", "update", "-qq", external=True)
         session.run("apt-get", "install", "-y", "-qq", "libibverbs1", external=True)
-    tests = PACKAGES["kvtier-recompute-connector"].folder / "tests"
-    test = tests / "recompute_connector_tests" / "test_pd_mooncake.py"
-    store = PACKAGES["kvtier-tiering-spec"].folder / "tests/tiering_spec_tests/test_storetier.py"
-    session.run(
-        "pytest", "-p", "no:cacheprovider", str(test), str(store),
-        env={"KVTIER_PD_MOONCAKE": "1", "KVTIER_REQUIRE_MOONCAKE": "1"},
-    )  # fmt: skip
 
 
 @nox.session
@@ -371,9 +379,11 @@ def demo(session: nox.Session) -> None:
     )
 
 
-def _bench(session: nox.Session, dists: list[str], module: str, name: str) -> None:
+def _bench(session: nox.Session, dists: list[str], module: str, name: str, *extra: str) -> None:
     """Install ``dists`` with vLLM's CPU build and run ``python -m module --json out/NAME.json``."""
-    install_packages(session, dists, with_vllm=True)
+    install_packages(session, dists, *extra, with_vllm=True)
+    if MOONCAKE in extra:
+        _need_ibverbs(session)
     out = ROOT / "out"
     out.mkdir(exist_ok=True)
     session.run("python", "-m", module, "--json", str(out / f"{name}.json"), *session.posargs)
@@ -387,12 +397,14 @@ def bench_blockpool(session: nox.Session) -> None:
 
 @nox.session(name="bench-tiering")
 def bench_tiering(session: nox.Session) -> None:
-    """kvtier's fs tier against plain O_DIRECT and vLLM's fs tier; the prefix workload."""
+    """kvtier's fs tier against plain O_DIRECT and vLLM's fs tier; the prefix workload;
+    the store tier against Mooncake's client."""
     _bench(
         session,
         ["kvtier-tiering-spec", "kvtier-testkit"],
         "kvtier.tiering_spec.bench",
         "bench-tiering",
+        MOONCAKE,
     )
 
 

@@ -115,3 +115,67 @@ def test_unknown_tier_key_is_refused(tmp_path: Path) -> None:
 def test_secondary_tiers_need_the_tiering_spec(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="TieringOffloadingSpec"):
         parse_config({**BASE, "secondary_tiers": [fs(tmp_path)]}, tiering=False)
+
+
+MOONCAKE = {
+    "type": "mooncake",
+    "master_server_address": "10.0.0.1:50051",
+    "metadata_server": "http://10.0.0.1:8080/metadata",
+    "protocol": "tcp",
+}
+
+
+def test_a_mooncake_tier_validates_with_defaults(tmp_path: Path) -> None:
+    from kvtier.tiering_spec.config import MooncakeTierConfig
+
+    cfg = parse_config({**BASE, "secondary_tiers": [fs(tmp_path), MOONCAKE]}, tiering=True)
+    _, store = cfg.secondary_tiers
+    assert isinstance(store, MooncakeTierConfig)
+    assert store.master_server_address == "10.0.0.1:50051" and store.protocol == "tcp"
+    assert store.global_segment_size == 1 << 30 and store.locality == "REMOTE"
+    assert store.local_hostname, "the local hostname defaults to this machine's"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"master_server_address": "10.0.0.1"}, r"master_server_address must be 'HOST:PORT'"),
+        ({"master_server_address": "h:70000"}, r"master_server_address must be 'HOST:PORT'"),
+        ({"metadata_server": "10.0.0.1:8080"}, r"metadata_server must be 'http://HOST:PORT"),
+        ({"protocol": "udp"}, r"protocol must be one of tcp, rdma, got 'udp'"),
+        ({"protocol": "rdma"}, r"device_name .* required with protocol 'rdma'"),
+        ({"global_segment_size": -1}, r"global_segment_size"),
+        ({"local_buffer_size": "64"}, r"local_buffer_size"),
+        ({"root_dir": "/x"}, r"unknown key\(s\) \['root_dir'\] for a mooncake tier"),
+        ({"enable_kv_events": "false"}, r"enable_kv_events"),
+    ],
+)
+def test_a_bad_mooncake_value_names_its_key(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({**BASE, "secondary_tiers": [{**MOONCAKE, **change}]}, tiering=True)
+
+
+def test_a_mooncake_tier_without_a_master_says_it_is_required() -> None:
+    raw = {k: v for k, v in MOONCAKE.items() if k != "master_server_address"}
+    with pytest.raises(ConfigError, match=r"master_server_address is required"):
+        parse_config({**BASE, "secondary_tiers": [raw]}, tiering=True)
+
+
+def test_a_mooncake_tier_without_mooncakes_client_names_the_package(monkeypatch) -> None:
+    import builtins
+
+    vllm_adapter = pytest.importorskip("kvtier.tiering_spec.vllm_adapter")
+    from kvtier.tiering_spec.config import parse_mooncake_tier
+
+    real = builtins.__import__
+
+    def no_mooncake(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("mooncake"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builtins, "__import__", no_mooncake)
+    monkeypatch.setattr(vllm_adapter.importlib, "import_module", lambda name: no_mooncake(name))
+    cfg = parse_mooncake_tier(MOONCAKE, "secondary_tiers[0]")
+    with pytest.raises(ConfigError, match=r"mooncake-transfer-engine-non-cuda"):
+        vllm_adapter.mooncake_connector(cfg, "secondary_tiers[0]")

@@ -8,15 +8,9 @@ where they fail instead.
 from __future__ import annotations
 
 import mmap
-import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,76 +19,9 @@ from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.fsformat import key_digest
 from kvtier.tiering_spec.storetier import StoreTier, StoreTierSettings
 
+from .mooncake_env import Master, _mooncake
+
 PAYLOAD = 65536
-
-
-def _mooncake() -> Any:
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except Exception as exc:  # ImportError, or a missing libibverbs
-        if os.environ.get("KVTIER_REQUIRE_MOONCAKE") == "1":
-            raise
-        pytest.skip(f"Mooncake Store client not available: {exc}")
-    return MooncakeDistributedStore
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Master:
-    """A ``mooncake_master`` with its HTTP metadata server, on loopback."""
-
-    def __init__(self, workdir: Path) -> None:
-        beside = Path(sys.executable).with_name("mooncake_master")  # in the venv's bin
-        exe = shutil.which("mooncake_master") or str(beside)
-        self.rpc, self.http, self.metrics = _free_port(), _free_port(), _free_port()
-        self.log = open(workdir / f"master-{self.rpc}.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [
-                exe,
-                f"--rpc_port={self.rpc}",
-                "--enable_http_metadata_server=true",
-                "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={self.http}",
-                f"--metrics_port={self.metrics}",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.rpc), timeout=0.2).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"mooncake_master did not start (see {self.log.name})")
-
-    def client(self) -> Any:
-        store = _mooncake()()
-        rc = store.setup(
-            "127.0.0.1",
-            f"http://127.0.0.1:{self.http}/metadata",
-            64 << 20,
-            16 << 20,
-            "tcp",
-            "",
-            f"127.0.0.1:{self.rpc}",
-        )
-        assert rc == 0, f"setup returned {rc}"
-        return store
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +55,10 @@ def make_tier(master: Master) -> Iterator[Any]:
 
     def make(region: Region, *, client: Any = None, copies: int = 1) -> StoreTier:
         layouts = [{"model": model, "rank": r, "world_size": copies} for r in range(copies)]
-        tier = StoreTier(
-            client or master.client(), layouts, PAYLOAD, region.views, StoreTierSettings()
-        )
+        client = client or master.client()
+        tier = StoreTier(lambda: client, layouts, PAYLOAD, region.views, StoreTierSettings())
         made.append(tier)
+        assert tier.wait_connected(), "the store tier did not connect"
         return tier
 
     yield make
@@ -237,3 +164,34 @@ def test_a_dead_master_gives_misses_and_back_off_never_a_hang(make_tier, tmp_pat
     assert tier.contains(key_digest(b"c")) is False, "lookups must miss during back-off"
     assert not tier.submit_write(b"d", key_digest(b"d"), 1), "writes must be dropped"
     assert time.monotonic() - t0 < 60
+
+
+def test_a_store_down_at_start_gives_misses_until_it_is_up(tmp_path) -> None:
+    _mooncake()
+    attempts = {"n": 0}
+    late = {"master": None}
+
+    def connect() -> Any:
+        attempts["n"] += 1
+        if late["master"] is None:
+            raise ConnectionError("master not up yet")
+        return late["master"].client()
+
+    region = Region(2)
+    tier = StoreTier(connect, [{"model": uuid.uuid4().hex}], PAYLOAD, region.views)
+    try:
+        time.sleep(0.2)
+        tier.poll()
+        assert tier.contains(key_digest(b"k")) is False, "a lookup waited for the store"
+        assert not tier.submit_write(b"k", key_digest(b"k"), 0)
+        assert tier.faults()["unreachable"] >= 1
+        late["master"] = Master(tmp_path)
+        assert tier.wait_connected(30), "the tier did not connect once the master was up"
+        tier._down_until = 0.0  # past the back-off
+        region.fill(0, 0, 4)
+        assert tier.submit_write(b"k", key_digest(b"k"), 0)
+        assert settle(tier)[0].ok and attempts["n"] >= 2
+    finally:
+        tier.shutdown()
+        if late["master"] is not None:
+            late["master"].stop()

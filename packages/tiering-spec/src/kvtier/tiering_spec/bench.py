@@ -16,6 +16,8 @@
 (c) start-up with ``--startup-files`` block files of an earlier run on disk (sparse
     files of the right size) against an empty tier: how long the tier's constructor
     holds up the engine's start, and how long the background scan takes to index them.
+(d) the store tier against Mooncake's own client on the same bytes (needs Mooncake's
+    client): put and get GB/s and CPU seconds per GiB.
 """
 
 from __future__ import annotations
@@ -474,6 +476,178 @@ def print_startup(rows: list[dict[str, Any]]) -> None:
     print(f"start-up delayed by {delay:.3f} s with {files} files (goal < 1 s: {verdict})")
 
 
+# ---------------------------------------------------------------------- (d) store tier
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def store_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """kvtier's store tier against Mooncake's client on the same bytes: put then get
+    ``--store-mib`` MiB in ``--block-mib`` MiB objects (each a 4 KiB header plus the
+    block, from and into registered memory), through a master on loopback and a second
+    process that lends the store its memory."""
+    import shutil as sh
+    import subprocess
+
+    store_cls = importlib.import_module("mooncake.store").MooncakeDistributedStore
+    exe = sh.which("mooncake_master") or os.path.join(
+        os.path.dirname(sys.executable), "mooncake_master"
+    )
+    rpc, http, metrics = _free_port(), _free_port(), _free_port()
+    master = subprocess.Popen(
+        [
+            exe,
+            f"--rpc_port={rpc}",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+            f"--metrics_port={metrics}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    block = args.block_mib << 20
+    n = max(1, (args.store_mib << 20) // block)
+    meta = f"http://127.0.0.1:{http}/metadata"
+    lender = None
+
+    def client(segment: int) -> Any:
+        store = store_cls()
+        for _ in range(100):
+            if (
+                store.setup("127.0.0.1", meta, segment, 16 << 20, "tcp", "", f"127.0.0.1:{rpc}")
+                == 0
+            ):
+                return store
+            time.sleep(0.1)
+        raise RuntimeError("the Mooncake master did not answer")
+
+    try:
+        time.sleep(1)
+        lend = 2 * n * (block + 4096) * 2 + (64 << 20)
+        code = (
+            "import time\nfrom mooncake.store import MooncakeDistributedStore as S\n"
+            f"s = S(); rc = s.setup('127.0.0.1', '{meta}', {lend}, 16 << 20, 'tcp', '', "
+            f"'127.0.0.1:{rpc}')\nprint(rc, flush=True)\ntime.sleep(3600)\n"
+        )
+        lender = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        assert lender.stdout is not None
+        if lender.stdout.readline().strip() != b"0":
+            raise RuntimeError("the memory-lending client did not start")
+        region = mmap.mmap(-1, n * block)
+        for i in range(n):
+            region[i * block : i * block + 8] = i.to_bytes(8, "little")
+        rows: list[dict[str, Any]] = []
+        for rep_i in range(args.repeat):
+            rows += _raw_client_rows(client(0), region, n, block, f"bench-raw-{rep_i}")
+            rows += _store_tier_rows(client(0), region, n, block, rep_i)
+    finally:
+        for proc in (lender, master):
+            if proc is not None:
+                proc.kill()
+                proc.wait(10)
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        if (r["side"], r["op"]) not in best or r["GB/s"] > best[(r["side"], r["op"])]["GB/s"]:
+            best[(r["side"], r["op"])] = r
+    return {"bytes": n * block, "block_bytes": block, "rows": list(best.values()), "all_rows": rows}
+
+
+def _raw_client_rows(
+    raw: Any, region: mmap.mmap, n: int, block: int, prefix: str
+) -> list[dict[str, Any]]:
+    """Mooncake's client alone: ``n`` objects of a header page and a block."""
+    import ctypes
+
+    headers = mmap.mmap(-1, 4096 * n)
+    haddr = ctypes.addressof(ctypes.c_char.from_buffer(headers))
+    raddr = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    raw.register_buffer(haddr, len(headers))
+    raw.register_buffer(raddr, len(region))
+    keys = [f"{prefix}/{i}" for i in range(n)]
+    ptrs = [[haddr + i * 4096, raddr + i * block] for i in range(n)]
+    sizes = [[4096, block]] * n
+
+    def batched(call: Any) -> None:
+        for lo in range(0, n, 64):
+            codes = call(keys[lo : lo + 64], ptrs[lo : lo + 64], sizes[lo : lo + 64])
+            if any(c < 0 for c in codes):
+                raise RuntimeError(f"Mooncake client: {codes[:4]}")
+
+    # Warm up (connections, the first allocations) outside the measured runs.
+    raw.batch_put_from_multi_buffers([f"{prefix}/warm"], ptrs[:1], sizes[:1])
+    raw.batch_get_into_multi_buffers([f"{prefix}/warm"], ptrs[:1], sizes[:1])
+    w = measure(lambda: batched(raw.batch_put_from_multi_buffers))
+    r = measure(lambda: batched(raw.batch_get_into_multi_buffers))
+    raw.batch_remove([*keys, f"{prefix}/warm"], True)
+    return [
+        row("Mooncake client", "put", n * block, *w),
+        row("Mooncake client", "get", n * block, *r),
+    ]
+
+
+def _store_tier_rows(
+    client: Any, region: mmap.mmap, n: int, block: int, rep: int
+) -> list[dict[str, Any]]:
+    """kvtier's store tier on the same bytes: checksummed headers, the same batches."""
+    from kvtier.tiering_spec.storetier import StoreTier
+
+    view = memoryview(region)
+    tier = StoreTier(
+        lambda: client, [{"bench": "store", "rep": rep, "rank": 0}], block, lambda: [view]
+    )
+    tier.wait_connected()
+    names = [b"bench-store-%d" % i for i in range(n)]
+    # Warm up as for the client: one object put and got outside the measured runs.
+    warm = b"bench-store-warm"
+    tier.submit_write(warm, key_digest(warm), 0)
+    tier.drain()
+    tier.poll()
+    tier.submit_read(warm, key_digest(warm), 0)
+    tier.drain()
+    tier.poll()
+
+    def jobs(submit: Any) -> None:
+        for i, k in enumerate(names):
+            if not submit(k, key_digest(k), i):
+                raise RuntimeError(f"store tier refused job {i}")
+        tier.drain()
+        tier.poll()
+
+    w = measure(lambda: jobs(tier.submit_write))
+    r = measure(lambda: jobs(tier.submit_read))
+    ok = tier.stats.writes == n + 1 and tier.stats.reads == n + 1
+    tier.shutdown()
+    if not ok:
+        raise RuntimeError(f"store tier: {tier.stats}, faults {tier.faults()}")
+    return [
+        row("kvtier store tier", "put", n * block, *w),
+        row("kvtier store tier", "get", n * block, *r),
+    ]
+
+
+def print_store(result: dict[str, Any]) -> None:
+    rows = result["rows"]
+    print(
+        f"\n(d) store tier: {result['bytes'] >> 20} MiB in {result['block_bytes'] >> 20} MiB "
+        "objects, Mooncake Store over TCP on loopback, best of runs"
+    )
+    print(f"{'side':<19}{'op':<5}{'GB/s':>8}{'CPU s/GiB':>11}{'vs client':>11}")
+    raw = {r["op"]: r for r in rows if r["side"] == "Mooncake client"}
+    for r in rows:
+        ref = raw.get(r["op"])
+        ratio = r["GB/s"] / ref["GB/s"] if ref else float("nan")
+        print(f"{r['side']:<19}{r['op']:<5}{r['GB/s']:>8.2f}{r['CPU s/GiB']:>11.3f}{ratio:>11.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", help="write the results here")
@@ -486,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-fs", action="store_true", help="skip (a)")
     p.add_argument("--skip-workload", action="store_true", help="skip (b)")
     p.add_argument("--skip-startup", action="store_true", help="skip (c)")
+    p.add_argument("--skip-store", action="store_true", help="skip (d)")
+    p.add_argument("--store-mib", type=int, default=256, help="MiB put and got in (d) (256)")
     p.add_argument(
         "--startup-files", type=int, default=100_000, help="files on disk for (c) (100000)"
     )
@@ -500,6 +676,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_startup:
         result["startup"] = startup_benchmark(args)
         print_startup(result["startup"])
+    if not args.skip_store:
+        try:
+            importlib.import_module("mooncake.store")
+        except ImportError as exc:
+            print(f"(d) skipped: Mooncake's client is not installed ({exc})", file=sys.stderr)
+        else:
+            result["store"] = store_benchmark(args)
+            print_store(result["store"])
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

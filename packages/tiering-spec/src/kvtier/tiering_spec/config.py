@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
 import tempfile
 from collections.abc import Mapping
@@ -20,7 +21,7 @@ from kvtier.blockpool import PER_RANK_KEY, TOTAL_KEY, require_bool, require_posi
 logger = logging.getLogger("kvtier.tiering_spec")
 
 EVICTION_POLICIES = ("lru", "arc")
-TIER_TYPES = ("fs",)
+TIER_TYPES = ("fs", "mooncake")
 DEFAULT_IO_THREADS = 16  # vLLM's fs tier default, so a copied configuration behaves alike
 DEFAULT_MAX_TRACKER_SIZE = 64_000
 MAX_IO_THREADS = 256
@@ -58,6 +59,19 @@ _FS_KEYS = (
     "module_path",
 )
 LOCALITIES = ("LOCAL", "REMOTE")
+_MOONCAKE_KEYS = (
+    "type",
+    "master_server_address",
+    "metadata_server",
+    "protocol",
+    "local_hostname",
+    "global_segment_size",
+    "local_buffer_size",
+    "device_name",
+    "enable_kv_events",
+    "locality",
+)
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 
 
 class ConfigError(ValueError):
@@ -106,6 +120,37 @@ class FsTierConfig:
 
 
 @dataclass(frozen=True)
+class MooncakeTierConfig:
+    """One ``{"type": "mooncake", ...}`` entry of ``secondary_tiers``: a Mooncake Store
+    that engines on many machines share.
+
+    Attributes:
+        master_server_address: the ``mooncake_master`` RPC address, ``HOST:PORT``.
+        metadata_server: the transfer engine's metadata service,
+            ``http://HOST:PORT/metadata`` (the master's, with
+            ``--enable_http_metadata_server``), or ``P2PHANDSHAKE``.
+        protocol: ``tcp`` or ``rdma``.
+        local_hostname: this machine's address as the other clients reach it.
+        global_segment_size: bytes of this process's memory lent to the store (0: none;
+            the objects then live in other clients' segments).
+        local_buffer_size: bytes of the client's own transfer buffer.
+        device_name: RDMA device(s), e.g. ``mlx5_0`` (required with ``rdma``).
+        enable_kv_events / locality: as for the fs tier (``REMOTE`` by default).
+    """
+
+    master_server_address: str
+    metadata_server: str
+    protocol: str = "tcp"
+    local_hostname: str = ""
+    global_segment_size: int = 1 << 30
+    local_buffer_size: int = 64 << 20
+    device_name: str = ""
+    enable_kv_events: bool = True
+    locality: str = "REMOTE"
+    type: str = "mooncake"
+
+
+@dataclass(frozen=True)
 class OffloadConfig:
     """The validated settings of a kvtier offloading spec.
 
@@ -129,7 +174,7 @@ class OffloadConfig:
     cache_policy_module_path: str | None = None
     store_threshold: int = 0
     max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
-    secondary_tiers: tuple[FsTierConfig, ...] = field(default_factory=tuple)
+    secondary_tiers: tuple[FsTierConfig | MooncakeTierConfig, ...] = field(default_factory=tuple)
     model_identity: str | None = None
 
 
@@ -218,7 +263,9 @@ def parse_config(
             "TieringOffloadingSpec or remove secondary_tiers"
         )
     tiers = tuple(
-        parse_fs_tier(t, f"secondary_tiers[{i}]", check_paths=check_paths)
+        parse_mooncake_tier(t, f"secondary_tiers[{i}]")
+        if isinstance(t, Mapping) and t.get("type") == "mooncake"
+        else parse_fs_tier(t, f"secondary_tiers[{i}]", check_paths=check_paths)
         for i, t in enumerate(tiers_raw)
     )
     model_identity = extra.get("model_identity")
@@ -229,7 +276,7 @@ def parse_config(
             "model_identity must be a non-empty string that changes whenever the model's "
             f"weights change (for example 'llama3-8b@2026-11-02'), got {model_identity!r}"
         )
-    roots = [os.path.realpath(t.root_dir) for t in tiers]
+    roots = [os.path.realpath(t.root_dir) for t in tiers if isinstance(t, FsTierConfig)]
     if len(set(roots)) != len(roots):
         raise ConfigError(f"secondary_tiers: two fs tiers share one root_dir ({roots})")
     return OffloadConfig(
@@ -293,6 +340,76 @@ def parse_fs_tier(raw: Any, where: str, *, check_paths: bool = True) -> FsTierCo
     if check_paths:
         check_directory(cfg.root_dir, f"{where}.root_dir")
     return cfg
+
+
+def _host_port(where: str, value: Any) -> str:
+    host, _, port = str(value).rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"{where} must be 'HOST:PORT' (the mooncake_master RPC address, for example "
+            f"'10.0.0.1:50051'), got {value!r}"
+        )
+    return str(value)
+
+
+def parse_mooncake_tier(raw: Mapping[str, Any], where: str) -> MooncakeTierConfig:
+    """Validate one ``{"type": "mooncake", ...}`` entry; ``where`` names it in errors."""
+    unknown = sorted(set(raw) - set(_MOONCAKE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown} for a mooncake tier; allowed: "
+            f"{', '.join(_MOONCAKE_KEYS)}"
+        )
+    if "master_server_address" not in raw:
+        raise ConfigError(
+            f"{where}.master_server_address is required: the mooncake_master RPC address "
+            "'HOST:PORT'"
+        )
+    master = _host_port(f"{where}.master_server_address", raw["master_server_address"])
+    metadata = raw.get("metadata_server")
+    if not isinstance(metadata, str) or not (
+        metadata == "P2PHANDSHAKE" or metadata.startswith(("http://", "https://"))
+    ):
+        raise ConfigError(
+            f"{where}.metadata_server must be 'http://HOST:PORT/metadata' (for example the "
+            "master's, started with --enable_http_metadata_server=true) or 'P2PHANDSHAKE', "
+            f"got {metadata!r}"
+        )
+    protocol = raw.get("protocol", "tcp")
+    if protocol not in MOONCAKE_PROTOCOLS:
+        raise ConfigError(
+            f"{where}.protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}, got {protocol!r}"
+        )
+    device = raw.get("device_name", "")
+    if not isinstance(device, str) or (protocol == "rdma" and not device.strip()):
+        raise ConfigError(
+            f"{where}.device_name must be a string naming the RDMA device(s) (for example "
+            f"'mlx5_0'); required with protocol 'rdma', got {device!r}"
+        )
+    hostname = raw.get("local_hostname", "")
+    if not isinstance(hostname, str):
+        raise ConfigError(
+            f"{where}.local_hostname must be this machine's address as other clients reach "
+            f"it (a string), got {hostname!r}"
+        )
+    locality = str(raw.get("locality") or "REMOTE").upper()
+    if locality not in LOCALITIES:
+        raise ConfigError(f"{where}.locality must be one of {LOCALITIES}, got {locality!r}")
+    return MooncakeTierConfig(
+        master_server_address=master,
+        metadata_server=metadata,
+        protocol=str(protocol),
+        local_hostname=hostname.strip() or socket.gethostname(),
+        global_segment_size=_int(
+            f"{where}.global_segment_size", raw.get("global_segment_size", 1 << 30), minimum=0
+        ),
+        local_buffer_size=_int(
+            f"{where}.local_buffer_size", raw.get("local_buffer_size", 64 << 20), minimum=0
+        ),
+        device_name=device.strip(),
+        enable_kv_events=_bool(f"{where}.enable_kv_events", raw.get("enable_kv_events", True)),
+        locality=locality,
+    )
 
 
 def check_private_directory(path: str, key: str) -> None:

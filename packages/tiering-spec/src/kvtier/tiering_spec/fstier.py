@@ -61,6 +61,7 @@ FAULT_KINDS = (
     "disk_full",
     "write_failed",
     "timeout",
+    "unreachable",  # a store tier's store did not answer
 )
 _STALE_TMP_S = 3600.0
 # Without capacity_bytes the tier may fill this share of the free space it found.

@@ -91,7 +91,9 @@ class StoreTier:
     """One store tier for one engine.
 
     Args:
-        client: a connected store client (see :class:`StoreClient`).
+        connect: returns a connected store client (see :class:`StoreClient`), or raises;
+            called on a background thread, again with back-off after a failure, so a
+            store that is down at start-up gives misses until it is up.
         layouts: one layout description per copy (rank), as for the fs tier.
         payload_bytes: bytes of one copy of a host block (a multiple of 4096).
         region_views: returns one writable memoryview per copy over its host region,
@@ -101,7 +103,7 @@ class StoreTier:
 
     def __init__(
         self,
-        client: StoreClient,
+        connect: Callable[[], StoreClient],
         layouts: Sequence[dict[str, Any]],
         payload_bytes: int,
         region_views: Callable[[], Sequence[memoryview] | None],
@@ -111,7 +113,8 @@ class StoreTier:
             raise ValueError(
                 f"payload_bytes must be a positive multiple of 4096, got {payload_bytes}"
             )
-        self.client = client
+        self._connect = connect
+        self.client: StoreClient | None = None
         self.cfg = settings
         self.name = settings.name
         self.payload_bytes = payload_bytes
@@ -123,15 +126,13 @@ class StoreTier:
         self._region_views = region_views
         self._regions: list[int] | None = None  # base address of each copy's region
         self._views: Sequence[memoryview] | None = None
-        # Header pages for one batch, registered with the client once.
+        # Header pages for one batch, registered with the client once it is connected.
         self._headers = mmap.mmap(-1, fsformat.HEADER_SIZE * MAX_BATCH * self.copies)
         self._headers_view = memoryview(self._headers)
         self._headers_addr = _address(self._headers_view)
-        if client.register_buffer(self._headers_addr, len(self._headers)) != 0:
-            raise RuntimeError(f"store tier {self.name!r}: registering header buffers failed")
 
         self.stats = FsStats()
-        self._faults: dict[str, int] = dict.fromkeys((*FAULT_KINDS, "unreachable"), 0)
+        self._faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
         self._fault_logged: set[str] = set()
         self._index: OrderedDict[bytes, bytes | None] = OrderedDict()  # digest -> key
         self._absent: dict[bytes, float] = {}  # digest -> when it may be asked again
@@ -150,7 +151,12 @@ class StoreTier:
         self._failures: deque[str] = deque()
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._probes: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._connected = threading.Event()
         self._threads = [
+            threading.Thread(
+                target=self._connect_loop, name=f"kvtier-{self.name}-connect", daemon=True
+            ),
             threading.Thread(target=self._serve_jobs, name=f"kvtier-{self.name}-io", daemon=True),
             threading.Thread(
                 target=self._serve_probes, name=f"kvtier-{self.name}-probe", daemon=True
@@ -167,21 +173,45 @@ class StoreTier:
         return [prefix + hexd for prefix in self._prefixes]
 
     def _regions_now(self) -> list[int] | None:
-        if self._regions is None:
+        """The registered host regions' addresses, or None (not mapped or not connected)."""
+        client = self.client
+        if self._regions is None and client is not None:
             views = self._region_views()
             if views is None:
                 return None
             regions = []
             for view in views:
                 addr = _address(view)
-                if self.client.register_buffer(addr, len(view)) != 0:
-                    raise RuntimeError(f"store tier {self.name!r}: registering the region failed")
+                if client.register_buffer(addr, len(view)) != 0:
+                    self._failures.append("registering the host region failed")
+                    return None
                 regions.append(addr)
             self._views, self._regions = views, regions
         return self._regions
 
     def _down(self) -> bool:
-        return time.monotonic() < self._down_until
+        return self.client is None or time.monotonic() < self._down_until
+
+    def wait_connected(self, timeout: float = 30.0) -> bool:
+        """Whether the client connected within ``timeout`` seconds (tests, benchmarks)."""
+        return self._connected.wait(timeout)
+
+    def _connect_loop(self) -> None:
+        delay = BACKOFF_MIN_S
+        while not self._stop.is_set():
+            try:
+                client = self._connect()
+                if client.register_buffer(self._headers_addr, len(self._headers)) != 0:
+                    raise RuntimeError("registering the header pages failed")
+            except Exception as exc:
+                self._failures.append(f"connecting failed: {type(exc).__name__}: {exc}")
+                self._stop.wait(delay)
+                delay = min(BACKOFF_MAX_S, delay * 2)
+                continue
+            self.client = client
+            self._connected.set()
+            logger.info("kvtier store tier %r: connected", self.name)
+            return
 
     # ----------------------------------------------------------------- queries
 
@@ -372,6 +402,7 @@ class StoreTier:
         if self._closed:
             return not self.stuck
         self._closed = True
+        self._stop.set()
         self._jobs.put(None)
         self._probes.put(None)
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
@@ -429,11 +460,13 @@ class StoreTier:
                 keys.append(name)
                 ptrs.append([head, regions[copy] + block * payload])
                 sizes.append([hsize, payload])
+        client = self.client
+        assert client is not None  # jobs are submitted only once connected
         try:
             if op == "write":
-                codes = list(self.client.batch_put_from_multi_buffers(keys, ptrs, sizes))
+                codes = list(client.batch_put_from_multi_buffers(keys, ptrs, sizes))
             else:
-                codes = list(self.client.batch_get_into_multi_buffers(keys, ptrs, sizes))
+                codes = list(client.batch_get_into_multi_buffers(keys, ptrs, sizes))
         except Exception as exc:  # the client raised: the store is unusable for now
             codes = [-1] * len(keys)
             self._failures.append(f"{type(exc).__name__}: {exc}")
@@ -464,7 +497,7 @@ class StoreTier:
             )
         if corrupt:
             try:
-                self.client.batch_remove(corrupt, True)
+                client.batch_remove(corrupt, True)
             except Exception:
                 pass
 
@@ -514,8 +547,11 @@ class StoreTier:
                     break
                 batch.append(nxt)
             keys = [k for d in batch for k in self.object_keys(d)]
+            client = self.client
             try:
-                codes = list(self.client.batch_is_exist(keys))
+                if client is None:
+                    raise RuntimeError("not connected")
+                codes = list(client.batch_is_exist(keys))
             except Exception as exc:
                 codes = [-1] * len(keys)
                 self._failures.append(f"{type(exc).__name__}: {exc}")

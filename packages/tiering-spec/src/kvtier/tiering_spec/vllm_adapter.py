@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 import logging
 import os
 import re
 import secrets
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -38,6 +39,8 @@ from kvtier.tiering_spec import metrics as m
 from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.config import (
     ConfigError,
+    FsTierConfig,
+    MooncakeTierConfig,
     OffloadConfig,
     make_private_directory,
     parse_config,
@@ -45,7 +48,8 @@ from kvtier.tiering_spec.config import (
 from kvtier.tiering_spec.fsformat import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
-from kvtier.tiering_spec.manager import Lookup, TierManager
+from kvtier.tiering_spec.manager import Lookup, SecondaryTier, TierManager
+from kvtier.tiering_spec.storetier import StoreClient, StoreTier, StoreTierSettings
 from kvtier.tiering_spec.worker import OffloadTransferWorker
 
 logger = logging.getLogger("kvtier.tiering_spec")
@@ -482,11 +486,21 @@ class TieringOffloadingSpec(_KvtierSpec):
             return None
         return regions
 
-    def build_fs_tiers(self, on_regions: list[HostRegion]) -> list[FileSystemTier]:
+    def build_fs_tiers(self, on_regions: list[HostRegion]) -> list[SecondaryTier]:
+        """The secondary tiers, in order: fs tiers and store tiers."""
         if not self.settings.secondary_tiers:
             return []
-        # The digests of the weight files are cached beside the first tier's files.
-        digest_dir = os.path.join(self.settings.secondary_tiers[0].root_dir, FORMAT_DIR)
+        # The digests of the weight files are cached beside the first fs tier's files.
+        fs_roots = [
+            t.root_dir for t in self.settings.secondary_tiers if isinstance(t, FsTierConfig)
+        ]
+        digest_dir = (
+            os.path.join(fs_roots[0], FORMAT_DIR)
+            if fs_roots
+            else os.path.join(
+                os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvtier"
+            )
+        )
         make_private_directory(digest_dir, "fs tier directory")
         identity, persistent = self.engine_identity(os.path.join(digest_dir, "weight-digests.json"))
         layouts = self._layouts(identity)
@@ -502,19 +516,32 @@ class TieringOffloadingSpec(_KvtierSpec):
                 state["views"] = [r.tensor.numpy().data.cast("B") for r in regions]
             return state["views"]
 
-        tiers: list[FileSystemTier] = []
+        tiers: list[SecondaryTier] = []
+        seen: dict[str, int] = {}
         try:
             for i, cfg in enumerate(self.settings.secondary_tiers):
+                n = seen[cfg.type] = seen.get(cfg.type, -1) + 1
+                name = cfg.type if n == 0 else f"{cfg.type}{n}"
+                events = cfg.enable_kv_events and self.kv_events_config.enable_kv_cache_events
+                if isinstance(cfg, MooncakeTierConfig):
+                    tiers.append(
+                        StoreTier(
+                            mooncake_connector(cfg, f"secondary_tiers[{i}]"),
+                            layouts,
+                            payload,
+                            views,
+                            StoreTierSettings(name, cfg.locality, events),
+                        )
+                    )
+                    continue
                 tiers.append(
                     FileSystemTier(
                         cfg,
                         layouts,
                         payload,
                         views,
-                        name=cfg.type if i == 0 else f"{cfg.type}{i}",
-                        enable_events=(
-                            cfg.enable_kv_events and self.kv_events_config.enable_kv_cache_events
-                        ),
+                        name=name,
+                        enable_events=events,
                         ephemeral=not persistent,
                     )
                 )
@@ -523,6 +550,39 @@ class TieringOffloadingSpec(_KvtierSpec):
                 t.shutdown()
             raise
         return tiers
+
+
+def mooncake_connector(cfg: MooncakeTierConfig, where: str) -> Callable[[], StoreClient]:
+    """A function that connects a Mooncake Store client as ``cfg`` says. Raises
+    ``ConfigError`` at once when Mooncake's client is not installed."""
+    try:
+        store_cls = importlib.import_module("mooncake.store").MooncakeDistributedStore
+    except ImportError as exc:
+        raise ConfigError(
+            f"{where}.type 'mooncake' needs Mooncake's store client, which did not import "
+            f"({exc}): pip install mooncake-transfer-engine (CUDA), "
+            "mooncake-transfer-engine-npu (Ascend) or mooncake-transfer-engine-non-cuda "
+            "(CPU only); it also needs libibverbs (Debian: apt-get install libibverbs1)"
+        ) from None
+
+    def connect() -> StoreClient:
+        store = store_cls()
+        rc = store.setup(
+            cfg.local_hostname,
+            cfg.metadata_server,
+            cfg.global_segment_size,
+            cfg.local_buffer_size,
+            cfg.protocol,
+            cfg.device_name,
+            cfg.master_server_address,
+        )
+        if rc != 0:
+            raise ConnectionError(
+                f"Mooncake Store setup with master {cfg.master_server_address} returned {rc}"
+            )
+        return cast(StoreClient, store)
+
+    return connect
 
 
 class KvtierOffloadingManager(OffloadingManager):
