@@ -79,10 +79,18 @@ class Master:
         assert rc == 0, f"setup returned {rc}"
         return store
 
-    def stop(self) -> None:
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop the master: SIGTERM and a wait (or SIGKILL, as a crash)."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
         self.log.close()
 
 

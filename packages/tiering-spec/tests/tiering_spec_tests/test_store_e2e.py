@@ -93,7 +93,7 @@ def test_a_fresh_engine_serves_another_engines_prefixes_from_the_store(
     computed = b["scheduled_tokens"] - DECODE_TOKENS
     without = alone["scheduled_tokens"] - DECODE_TOKENS
     print(f"prompt tokens computed: {without} without the store tier, {computed} with it")
-    print("B", {k: v for k, v in b.items() if k not in ("outputs", "objects")})
+    print("engine B:", {k: v for k, v in b.items() if k not in ("outputs", "objects")})
     assert computed <= 0.2 * without, (computed, without, b)
 
 
@@ -113,7 +113,7 @@ def test_the_master_killed_mid_run_leaves_the_engine_serving(
         while not (pause / "half").exists() and time.monotonic() < deadline:
             assert started[0].poll() is None, started[0].communicate()[0].decode()[-4000:]
             time.sleep(0.1)
-        master.stop()
+        master.stop(kill=True)  # as a crash
         (pause / "go").write_text("go")
         c = finish(started)
     finally:

@@ -154,7 +154,7 @@ def test_a_dead_master_gives_misses_and_back_off_never_a_hang(make_tier, tmp_pat
         assert tier.submit_write(b"a", key_digest(b"a"), 0)
         assert settle(tier)[0].ok
     finally:
-        own.stop()
+        own.stop(kill=True)  # as a crash
     t0 = time.monotonic()
     assert tier.submit_write(b"b", key_digest(b"b"), 1)
     [res] = settle(tier, timeout=60)
