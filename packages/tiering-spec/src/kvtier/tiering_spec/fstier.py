@@ -114,6 +114,26 @@ class FsStats:
     used_bytes: int = 0
     entries: int = 0
 
+    def record(self, res: FsResult) -> None:
+        """Count a read or write that succeeded."""
+        if res.op == "write":
+            self.writes += 1
+            self.write_bytes += res.nbytes
+            self.write_seconds += res.seconds
+        else:
+            self.reads += 1
+            self.read_bytes += res.nbytes
+            self.read_seconds += res.seconds
+
+
+def count_down(counts: dict[bytes, int], digest: bytes) -> None:
+    """One job fewer for ``digest`` in a digest -> jobs map (0 removes it)."""
+    n = counts.get(digest, 0) - 1
+    if n > 0:
+        counts[digest] = n
+    else:
+        counts.pop(digest, None)
+
 
 class _Entry:
     __slots__ = ("key", "nbytes")
@@ -623,11 +643,7 @@ class FileSystemTier:
         self._submit(self._writers, self._unlink_task, digest, self.paths(digest))
 
     def _unlinked(self, digest: bytes) -> None:
-        count = self._unlinking.get(digest, 0) - 1
-        if count > 0:
-            self._unlinking[digest] = count
-        else:
-            self._unlinking.pop(digest, None)
+        count_down(self._unlinking, digest)
 
     # ----------------------------------------------------------------- jobs
 
@@ -715,9 +731,7 @@ class FileSystemTier:
                     self._retried.discard(digest)
                     self._index[digest] = _Entry(self.entry_bytes, res.key)
                     self._used += self.entry_bytes
-                    self.stats.writes += 1
-                    self.stats.write_bytes += res.nbytes
-                    self.stats.write_seconds += res.seconds
+                    self.stats.record(res)
                     if self.enable_events:
                         self._events.append((False, [res.key]))
                 elif res.fault == "disk_full" and self._retry_on_full_disk(res, digest):
@@ -725,15 +739,9 @@ class FileSystemTier:
                 else:
                     self._fault(res.fault or "write_failed", res)
             else:
-                count = self._reading.get(digest, 0) - 1
-                if count > 0:
-                    self._reading[digest] = count
-                else:
-                    self._reading.pop(digest, None)
+                count_down(self._reading, digest)
                 if res.ok:
-                    self.stats.reads += 1
-                    self.stats.read_bytes += res.nbytes
-                    self.stats.read_seconds += res.seconds
+                    self.stats.record(res)
                 else:
                     self._fault(res.fault or "unreadable", res)
                     # A bad file is removed so it is never tried again; an unreadable

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvtier.tiering_spec import fsformat
-from kvtier.tiering_spec.fstier import FAULT_KINDS, FsResult, FsStats
+from kvtier.tiering_spec.fstier import FAULT_KINDS, FsResult, FsStats, count_down
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -305,23 +305,15 @@ class StoreTier:
                 self._writing.discard(digest)
                 if res.ok:
                     self._remember(digest, res.key)
-                    self.stats.writes += 1
-                    self.stats.write_bytes += res.nbytes
-                    self.stats.write_seconds += res.seconds
+                    self.stats.record(res)
                     if self.cfg.enable_kv_events:
                         self._events.append((False, [res.key]))
                 else:
                     self._fault(res.fault or "write_failed", res)
             else:
-                count = self._reading.get(digest, 0) - 1
-                if count > 0:
-                    self._reading[digest] = count
-                else:
-                    self._reading.pop(digest, None)
+                count_down(self._reading, digest)
                 if res.ok:
-                    self.stats.reads += 1
-                    self.stats.read_bytes += res.nbytes
-                    self.stats.read_seconds += res.seconds
+                    self.stats.record(res)
                 else:
                     self._fault(res.fault or "unreadable", res)
                     self._forget(digest, res.key)
@@ -416,22 +408,27 @@ class StoreTier:
 
     # ----------------------------------------------------------------- threads
 
+    @staticmethod
+    def _take_batch(q: queue.SimpleQueue[Any]) -> list[Any] | None:
+        """Up to ``MAX_BATCH`` items: one waited for, the rest already queued. None
+        once the stop marker comes first (a marker after items ends the next call)."""
+        first = q.get()
+        if first is None:
+            return None
+        batch = [first]
+        while len(batch) < MAX_BATCH:
+            try:
+                nxt = q.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                q.put(None)
+                break
+            batch.append(nxt)
+        return batch
+
     def _serve_jobs(self) -> None:
-        jobs = self._jobs
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            batch = [job]
-            while len(batch) < MAX_BATCH:
-                try:
-                    nxt = jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    jobs.put(None)  # finish this batch, then stop
-                    break
-                batch.append(nxt)
+        while (batch := self._take_batch(self._jobs)) is not None:
             for op in ("write", "read"):
                 same = [j for j in batch if j[0] == op]
                 if same:
@@ -531,21 +528,7 @@ class StoreTier:
         return None
 
     def _serve_probes(self) -> None:
-        probes = self._probes
-        while True:
-            digest = probes.get()
-            if digest is None:
-                return
-            batch = [digest]
-            while len(batch) < MAX_BATCH:
-                try:
-                    nxt = probes.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    probes.put(None)
-                    break
-                batch.append(nxt)
+        while (batch := self._take_batch(self._probes)) is not None:
             keys = [k for d in batch for k in self.object_keys(d)]
             client = self.client
             try:
