@@ -9,7 +9,7 @@ for what vLLM has no name for (fs faults, fs bytes held). Every name emitted by
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.blockpool import ALLOCATION_BUCKETS
 from kvtier.tiering_spec.fstier import FAULT_KINDS
@@ -42,13 +42,20 @@ FS_FAULTS = "vllm:kvtier_fs_faults"
 FS_USED_BYTES = "vllm:kvtier_fs_used_bytes"
 FS_EVICTIONS = "vllm:kvtier_fs_evictions"
 
-MetricRow = tuple[str, str, tuple[str, ...], tuple[float, ...] | None]
+
+class MetricRow(NamedTuple):
+    """One metric kvtier's spec declares to vLLM."""
+
+    kind: str  # "counter", "gauge" or "histogram"
+    documentation: str
+    labels: tuple[str, ...] = ()  # label names besides vLLM's per-engine ones
+    buckets: tuple[float, ...] | None = None  # histograms only
 
 
 def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str, MetricRow]:
     """name -> (kind, documentation, label names, histogram buckets)."""
     t: dict[str, MetricRow] = {
-        CPU_CACHE_USAGE_PERC: (
+        CPU_CACHE_USAGE_PERC: MetricRow(
             "gauge",
             "Fraction of CPU KV-cache space currently pinned by active transfers (0.0 = idle, "
             "1.0 = saturated). Sustained high values indicate transfers (stores or promotions) "
@@ -56,40 +63,40 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
             (),
             None,
         ),
-        CPU_CACHE_WRITE_USAGE_PERC: (
+        CPU_CACHE_WRITE_USAGE_PERC: MetricRow(
             "gauge",
             "Fraction of CPU KV-cache space currently pinned by in-flight stores that have not "
             "yet completed (0.0 = idle, 1.0 = saturated).",
             (),
             None,
         ),
-        CPU_CACHE_READ_USAGE_PERC: (
+        CPU_CACHE_READ_USAGE_PERC: MetricRow(
             "gauge",
             "Fraction of CPU KV-cache space currently pinned by in-flight loads that have not "
             "yet completed (0.0 = idle, 1.0 = saturated).",
             (),
             None,
         ),
-        CPU_ALLOCATION_SIZE: (
+        CPU_ALLOCATION_SIZE: MetricRow(
             "histogram",
             "Histogram of the number of CPU blocks requested by each KV offload prepare_store "
             "call.",
             (),
             tuple(float(b) for b in ALLOCATION_BUCKETS),
         ),
-        HOST_QUERIES: (
+        HOST_QUERIES: MetricRow(
             "counter",
             "Offloaded-block lookups answered by kvtier's host tier.",
             (),
             None,
         ),
-        HOST_HITS: (
+        HOST_HITS: MetricRow(
             "counter",
             "Offloaded-block lookups that found the block readable in kvtier's host tier.",
             (),
             None,
         ),
-        HOST_STORE_FAILURES: (
+        HOST_STORE_FAILURES: MetricRow(
             "counter",
             "Blocks of device-to-host stores that failed on a worker and were dropped.",
             (),
@@ -101,7 +108,7 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
     except (TypeError, ValueError):
         threshold = 0
     if threshold >= 2:
-        t[STORES_SKIPPED] = (
+        t[STORES_SKIPPED] = MetricRow(
             "counter",
             "Number of KV offload stores skipped because the reuse threshold was not reached.",
             (),
@@ -112,96 +119,96 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
     tier = ("tier",)
     t.update(
         {
-            CHUNK_QUERIES: (
+            CHUNK_QUERIES: MetricRow(
                 "counter",
                 "Number of chunk lookup queries sent to a tier, labeled by tier.",
                 tier,
                 None,
             ),
-            CHUNK_HITS: (
+            CHUNK_HITS: MetricRow(
                 "counter",
                 "Number of chunk lookup hits in a tier, labeled by tier.",
                 tier,
                 None,
             ),
-            READ_BYTES: (
+            READ_BYTES: MetricRow(
                 "counter",
                 "Total bytes read from secondary tiers into the primary tier, labeled by tier.",
                 tier,
                 None,
             ),
-            READ_TIME: (
+            READ_TIME: MetricRow(
                 "counter",
                 "Total time spent reading from secondary tiers into the primary tier, in "
                 "seconds, labeled by tier.",
                 tier,
                 None,
             ),
-            WRITE_BYTES: (
+            WRITE_BYTES: MetricRow(
                 "counter",
                 "Total bytes written from the primary tier to secondary tiers, labeled by tier.",
                 tier,
                 None,
             ),
-            WRITE_TIME: (
+            WRITE_TIME: MetricRow(
                 "counter",
                 "Total time spent writing from the primary tier to secondary tiers, in seconds, "
                 "labeled by tier.",
                 tier,
                 None,
             ),
-            PROMOTION_JOB_FAILURES: (
+            PROMOTION_JOB_FAILURES: MetricRow(
                 "counter",
                 "Number of failed secondary-tier promotion jobs, labeled by tier.",
                 tier,
                 None,
             ),
-            CASCADE_JOB_FAILURES: (
+            CASCADE_JOB_FAILURES: MetricRow(
                 "counter",
                 "Number of failed secondary-tier cascade jobs, labeled by tier.",
                 tier,
                 None,
             ),
-            PROMOTION_ALLOCATION_FAILURES: (
+            PROMOTION_ALLOCATION_FAILURES: MetricRow(
                 "counter",
                 "Number of promotion attempts that failed because the primary tier could not "
                 "allocate space.",
                 (),
                 None,
             ),
-            ACTIVE_PROMOTION_JOBS: (
+            ACTIVE_PROMOTION_JOBS: MetricRow(
                 "gauge",
                 "Number of active secondary-tier promotion jobs, labeled by tier.",
                 tier,
                 None,
             ),
-            ACTIVE_CASCADE_JOBS: (
+            ACTIVE_CASCADE_JOBS: MetricRow(
                 "gauge",
                 "Number of active secondary-tier cascade jobs, labeled by tier.",
                 tier,
                 None,
             ),
-            PRIMARY_WRITE_USAGE_PERC: (
+            PRIMARY_WRITE_USAGE_PERC: MetricRow(
                 "gauge",
                 "Current fraction of primary-tier space used by writes from secondary tiers, "
                 "labeled by tier.",
                 tier,
                 None,
             ),
-            PRIMARY_READ_USAGE_PERC: (
+            PRIMARY_READ_USAGE_PERC: MetricRow(
                 "gauge",
                 "Current fraction of primary-tier space used by reads to secondary tiers, "
                 "labeled by tier.",
                 tier,
                 None,
             ),
-            STORES_DROPPED: (
+            STORES_DROPPED: MetricRow(
                 "counter",
                 "Number of store operations dropped due to back-pressure on a secondary tier.",
                 tier,
                 None,
             ),
-            FS_FAULTS: (
+            FS_FAULTS: MetricRow(
                 "counter",
                 "Block files of an fs tier that failed to read or write (kind: corrupt, "
                 "truncated, vanished, unreadable, disk_full, write_failed); each was treated "
@@ -209,13 +216,13 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
                 ("tier", "kind"),
                 None,
             ),
-            FS_USED_BYTES: (
+            FS_USED_BYTES: MetricRow(
                 "gauge",
                 "Bytes of block files an fs tier holds for this engine.",
                 tier,
                 None,
             ),
-            FS_EVICTIONS: (
+            FS_EVICTIONS: MetricRow(
                 "counter",
                 "Entries an fs tier removed to stay within capacity_bytes, labeled by tier.",
                 tier,

@@ -376,7 +376,8 @@ def cache_hit_source(source: str) -> Any:
 def metric_definitions(table: Mapping[str, m.MetricRow]) -> dict[str, Any]:
     """vLLM 0.32's metric metadata for kvtier's metric table."""
     out: dict[str, Any] = {}
-    for name, (kind, doc, labels, buckets) in table.items():
+    for name, row in table.items():
+        kind, doc, labels, buckets = row.kind, row.documentation, row.labels, row.buckets
         if kind == "counter":
             out[name] = _base.OffloadingCounterMetadata(  # type: ignore[attr-defined]
                 documentation=doc, labelnames=labels
@@ -485,7 +486,8 @@ if not SPEC_METRICS:
         ) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
             self._families: dict[str, Any] = {}
-            for name, (kind, doc, labels, buckets) in _kvtier_metric_table(vllm_config).items():
+            for name, row in _kvtier_metric_table(vllm_config).items():
+                kind, doc, labels, buckets = row.kind, row.documentation, row.labels, row.buckets
                 args: dict[str, Any] = {
                     "name": name,
                     "documentation": doc,
