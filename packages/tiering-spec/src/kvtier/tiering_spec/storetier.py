@@ -43,6 +43,8 @@ logger = logging.getLogger("kvtier.tiering_spec")
 
 # Objects per batched store call (and header pages registered for them).
 MAX_BATCH = 64
+# How long a small batch waits for more jobs of the same burst before it goes.
+COALESCE_S = 0.0005
 # How long a key the store lacks is not asked about again.
 NEGATIVE_TTL_S = 2.0
 # Back-off after a failed store call: doubled per failure up to the maximum.
@@ -416,11 +418,17 @@ class StoreTier:
         if first is None:
             return None
         batch = [first]
+        waited = False
         while len(batch) < MAX_BATCH:
             try:
                 nxt = q.get_nowait()
             except queue.Empty:
-                break
+                if waited:
+                    break
+                # The scheduler submits a step's jobs in a burst: let it finish it.
+                waited = True
+                time.sleep(COALESCE_S)
+                continue
             if nxt is None:
                 q.put(None)
                 break
