@@ -274,9 +274,10 @@ _HAS_IBVERBS = "import ctypes.util, sys; sys.exit(0 if ctypes.util.find_library(
 @nox.session
 def pd(session: nox.Session) -> None:
     """The guide's P/D decode node with vLLM's real MooncakeConnector over TCP (a prefill
-    and a decode server on loopback), and the tiering spec's store tier against a real
-    Mooncake Store master. Installs Mooncake's transfer engine and, as root on Debian,
-    the libibverbs1 it links."""
+    and a decode server on loopback); the tiering spec's store tier against a real
+    Mooncake Store master, end to end, and its benchmark against Mooncake's client.
+    Installs Mooncake's transfer engine and, as root on Debian, the libibverbs1 it
+    links."""
     install_packages(
         session,
         ["kvtier-recompute-connector", "kvtier-tiering-spec", "kvtier-testkit"],
@@ -292,6 +293,11 @@ def pd(session: nox.Session) -> None:
         "pytest", "-p", "no:cacheprovider", str(test),
         str(store / "test_storetier.py"), str(store / "test_store_e2e.py"),
         env={"KVTIER_PD_MOONCAKE": "1", "KVTIER_REQUIRE_MOONCAKE": "1"},
+    )  # fmt: skip
+    # The store tier against Mooncake's client on the same bytes (bench-tiering's (d)).
+    session.run(
+        "python", "-m", "kvtier.tiering_spec.bench",
+        "--skip-fs", "--skip-workload", "--skip-startup", "--repeat", "2",
     )  # fmt: skip
 
 
