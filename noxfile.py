@@ -35,6 +35,9 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = [
     "lint",
     "typecheck",
+    # The two libraries alone, with torch and no vLLM: "pip install the package you need".
+    "test-blockpool",
+    "test-npu-copy",
     "tests",
     "e2e(vllm='0.23.0')",
     "plugins(vllm='0.33.0')",
@@ -198,9 +201,18 @@ def _pytest(session: nox.Session, paths: list[str]) -> None:
     session.run("pytest", "-p", "no:cacheprovider", *paths, *args)
 
 
+_NO_VLLM = (
+    "import importlib.util, sys; "
+    "sys.exit('vLLM is installed in a library-only session' "
+    "if importlib.util.find_spec('vllm') else 0)"
+)
+
+
 def _make_test_session(pkg: Package) -> None:
     def run(session: nox.Session) -> None:
         install_packages(session, [pkg.dist], *TEST_DEPS, with_vllm=_needs_vllm(pkg))
+        if not _needs_vllm(pkg):  # the library's own dependencies must not bring vLLM
+            session.run("python", "-c", _NO_VLLM)
         _pytest(session, _test_paths([pkg]))
 
     run.__doc__ = f"Run the tests of {pkg.dist}."
