@@ -135,6 +135,51 @@ def count_down(counts: dict[bytes, int], digest: bytes) -> None:
         counts.pop(digest, None)
 
 
+class TierJobs:
+    """What every secondary tier keeps the same way: an LRU index of digests, the
+    digests being written, finished jobs for ``poll``, fault counts and KV events.
+    A subclass sets these attributes in its constructor."""
+
+    _index: OrderedDict[bytes, Any]
+    _writing: set[bytes]
+    _results: deque[FsResult]
+    _inflight: int
+    _faults: dict[str, int]
+    _events: list[tuple[bool, list[bytes]]]
+
+    def has(self, digest: bytes) -> bool:
+        """Indexed or being written (no I/O, no counters)."""
+        return digest in self._index or digest in self._writing
+
+    def touch(self, digests: Sequence[bytes]) -> None:
+        index = self._index
+        for digest in reversed(digests):
+            if digest in index:
+                index.move_to_end(digest)
+
+    def faults(self) -> dict[str, int]:
+        return dict(self._faults)
+
+    def take_events(self) -> list[tuple[bool, list[bytes]]]:
+        """(removed, keys) pairs since the last call (empty unless events are enabled)."""
+        events, self._events = self._events, []
+        return events
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until every submitted job finished (then ``poll`` collects them), or
+        ``timeout`` seconds passed: then False, and a ``timeout`` fault is counted."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._inflight - len(self._results) > 0:
+            if deadline is not None and time.monotonic() > deadline:
+                self._timed_out(f"{self._inflight - len(self._results)} job(s) still running")
+                return False
+            time.sleep(0.001)
+        return True
+
+    def _timed_out(self, what: str) -> None:
+        self._faults["timeout"] += 1
+
+
 class _Entry:
     __slots__ = ("key", "nbytes")
 
@@ -209,7 +254,7 @@ def _is_block_file(st: os.stat_result, file_bytes: int) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_size == file_bytes
 
 
-class FileSystemTier:
+class FileSystemTier(TierJobs):
     """One fs tier for one engine: an index of the files it may read, and its I/O threads.
 
     Args:
@@ -562,16 +607,6 @@ class FileSystemTier:
             return True
         return False
 
-    def has(self, digest: bytes) -> bool:
-        """Indexed or being written (no disk access, no counters)."""
-        return digest in self._index or digest in self._writing
-
-    def touch(self, digests: Sequence[bytes]) -> None:
-        index = self._index
-        for digest in reversed(digests):
-            if digest in index:
-                index.move_to_end(digest)
-
     @property
     def in_flight(self) -> int:
         return self._inflight
@@ -579,9 +614,6 @@ class FileSystemTier:
     @property
     def used_bytes(self) -> int:
         return self._used
-
-    def faults(self) -> dict[str, int]:
-        return dict(self._faults)
 
     # ----------------------------------------------------------------- capacity
 
@@ -796,24 +828,8 @@ class FileSystemTier:
                 kind,
             )
 
-    def take_events(self) -> list[tuple[bool, list[bytes]]]:
-        """(removed, keys) pairs since the last call (empty unless events are enabled)."""
-        events, self._events = self._events, []
-        return events
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Block until every submitted job finished (then ``poll`` collects them), or
-        ``timeout`` seconds passed: then False, and a ``timeout`` fault is counted."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._inflight - len(self._results) > 0:
-            if deadline is not None and time.monotonic() > deadline:
-                self._timed_out(f"{self._inflight - len(self._results)} job(s) still running")
-                return False
-            time.sleep(0.001)
-        return True
-
     def _timed_out(self, what: str) -> None:
-        self._faults["timeout"] += 1
+        super()._timed_out(what)
         logger.warning(
             "kvtier fs tier %r at %s: %s past the time limit (a hung or very slow "
             "filesystem?); the engine goes on without them "

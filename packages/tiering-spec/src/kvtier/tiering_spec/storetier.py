@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvtier.tiering_spec import fsformat
-from kvtier.tiering_spec.fstier import FAULT_KINDS, FsResult, FsStats, count_down
+from kvtier.tiering_spec.fstier import FAULT_KINDS, FsResult, FsStats, TierJobs, count_down
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -89,7 +89,7 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-class StoreTier:
+class StoreTier(TierJobs):
     """One store tier for one engine.
 
     Args:
@@ -238,15 +238,6 @@ class StoreTier:
             self._probes.put(digest)
         return None
 
-    def has(self, digest: bytes) -> bool:
-        return digest in self._index or digest in self._writing
-
-    def touch(self, digests: Sequence[bytes]) -> None:
-        index = self._index
-        for digest in reversed(digests):
-            if digest in index:
-                index.move_to_end(digest)
-
     @property
     def in_flight(self) -> int:
         return self._inflight or len(self._probing)
@@ -254,9 +245,6 @@ class StoreTier:
     @property
     def used_bytes(self) -> int:
         return len(self._index) * self.entry_bytes
-
-    def faults(self) -> dict[str, int]:
-        return dict(self._faults)
 
     # ----------------------------------------------------------------- jobs
 
@@ -367,21 +355,6 @@ class StoreTier:
                 self.name,
             )
         self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
-
-    def take_events(self) -> list[tuple[bool, list[bytes]]]:
-        events, self._events = self._events, []
-        return events
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted job finished (``poll`` collects them), or
-        ``timeout`` seconds: then False, and a ``timeout`` fault is counted."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._inflight - len(self._results) > 0:
-            if deadline is not None and time.monotonic() > deadline:
-                self._faults["timeout"] += 1
-                return False
-            time.sleep(0.001)
-        return True
 
     def wait_probes(self, timeout: float = 10.0) -> None:
         """Wait until every started existence check answered (tests, benchmarks)."""
