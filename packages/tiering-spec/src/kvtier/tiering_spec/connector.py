@@ -71,7 +71,6 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         super().__init__(*args, **kwargs)
         self._kvtier_worker_spec: _KvtierSpec | None = None
         self._kvtier_manager: KvtierOffloadingManager | None = None
-        self._failed_stores_seen = 0
         self._store_failure_logged = False
         if OffloadingWorkerMetadata is None:
             return
@@ -126,12 +125,11 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
                 if status is not None and status.is_store:
                     # Dropped now; vLLM's completion of the job then finds nothing stored.
                     self._kvtier_manager.core.complete_store(list(status.keys), False)
-                    self._failed_stores_seen += 1
-            if self._failed_stores_seen and not self._store_failure_logged:
-                self._store_failure_logged = True
-                logger.warning(
-                    "kvtier: a store to the host tier failed on a worker; its blocks are "
-                    "dropped, never loaded (further failures are counted in "
-                    "vllm:kvtier_host_store_failures)"
-                )
+                    if not self._store_failure_logged:
+                        self._store_failure_logged = True
+                        logger.warning(
+                            "kvtier: a store to the host tier failed on a worker; its blocks "
+                            "are dropped, never loaded (further failures are counted in "
+                            "vllm:kvtier_host_store_failures)"
+                        )
         super().update_connector_output(connector_output)
