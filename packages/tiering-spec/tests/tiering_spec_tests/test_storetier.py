@@ -75,6 +75,14 @@ def settle(tier: StoreTier, n: int = 1, timeout: float = 10.0) -> list[Any]:
     return out
 
 
+def written(tier: StoreTier, key: bytes) -> bytes:
+    """Put host block 0 as ``key`` and wait for it; the key's digest."""
+    digest = key_digest(key)
+    assert tier.submit_write(key, digest, 0)
+    assert settle(tier)[0].ok
+    return digest
+
+
 def test_a_put_block_gets_back_byte_for_byte_in_every_copy(make_tier) -> None:
     region = Region(4, copies=2)
     tier = make_tier(region, copies=2)
@@ -110,12 +118,8 @@ def test_another_engines_object_is_found_by_a_background_check(make_tier, master
 
 
 def test_a_corrupt_object_is_a_counted_miss_and_removed(make_tier, master) -> None:
-    region = Region(2)
-    tier = make_tier(region)
-    digest = key_digest(b"k")
-    region.fill(0, 0, 3)
-    assert tier.submit_write(b"k", digest, 0)
-    assert settle(tier)[0].ok
+    tier = make_tier(Region(2))
+    digest = written(tier, b"k")
     # Another writer replaces the object with bytes whose checksum does not match.
     raw = master.client()
     [name] = tier.object_keys(digest)
@@ -131,12 +135,8 @@ def test_a_corrupt_object_is_a_counted_miss_and_removed(make_tier, master) -> No
 
 
 def test_an_object_the_store_evicted_is_a_counted_miss(make_tier, master) -> None:
-    region = Region(2)
-    tier = make_tier(region)
-    digest = key_digest(b"k")
-    region.fill(0, 0, 3)
-    assert tier.submit_write(b"k", digest, 0)
-    assert settle(tier)[0].ok
+    tier = make_tier(Region(2))
+    digest = written(tier, b"k")
     [name] = tier.object_keys(digest)
     assert master.client().remove(name, True) == 0  # as the store's own eviction does
     assert tier.submit_read(b"k", digest, 1)
