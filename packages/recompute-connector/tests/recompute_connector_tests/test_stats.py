@@ -8,7 +8,7 @@ pytestmark = requires_vllm
 
 
 def test_counters_add_and_gauges_keep_the_latest() -> None:
-    from kvtier.recompute_connector.connector import RecomputeOffloadStats
+    from kvtier.recompute_connector.metrics import RecomputeOffloadStats
 
     a = RecomputeOffloadStats(
         data={
@@ -30,7 +30,7 @@ def test_counters_add_and_gauges_keep_the_latest() -> None:
 def test_prometheus_observe_maps_every_counter() -> None:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from kvtier.recompute_connector.connector import RecomputeOffloadPromMetrics
+    from kvtier.recompute_connector.metrics import RecomputeOffloadPromMetrics
 
     registry = CollectorRegistry()
 

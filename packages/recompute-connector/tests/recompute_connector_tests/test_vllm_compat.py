@@ -63,7 +63,7 @@ def test_this_vllm_is_detected() -> None:
 
 
 def test_stats_answer_the_data_key_older_multi_connectors_read() -> None:
-    from kvtier.recompute_connector.connector import RecomputeOffloadStats
+    from kvtier.recompute_connector.metrics import RecomputeOffloadStats
 
     stats = RecomputeOffloadStats()
     stats.counters["restores"] = 2

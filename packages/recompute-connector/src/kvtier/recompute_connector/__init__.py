@@ -3,8 +3,8 @@
 vLLM finds ``RecomputeCPUOffloadConnector`` through the ``vllm.general_plugins`` entry
 point (:func:`register`). The logic lives in vLLM-free classes:
 :class:`RecomputeOffloadScheduler` (scheduler side) and :class:`RecomputeOffloadWorker`
-(worker side); ``kvtier.recompute_connector.connector`` is the thin vLLM adapter and is
-the only module that imports vLLM.
+(worker side); ``kvtier.recompute_connector.connector`` is the thin vLLM adapter, and it
+and its ``metrics`` (stats and Prometheus series) are the modules that import vLLM.
 """
 
 from kvtier.recompute_connector.__about__ import __version__
