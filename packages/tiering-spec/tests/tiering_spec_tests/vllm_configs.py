@@ -113,50 +113,23 @@ def spec_without_engine(
                 enable_kv_cache_events=True, publisher="null"
             )
         return make_spec(spec_cls, model, extra, engine=engine, world_size=world_size, rank=rank)
-    import dataclasses
-
-    from vllm.v1.kv_offload import config as c
-
-    def build(cls: type, **fields: Any) -> Any:
-        # Newer releases add fields; give each only those it has.
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in fields.items() if k in names})
+    from kvtier.testkit.offloading import offloading_config
 
     blocks_per_chunk = int(extra.get("blocks_per_chunk") or 1)
     if extra.get("block_size"):
         blocks_per_chunk = int(extra["block_size"]) // 32
     return spec_cls(
-        build(
-            c.OffloadingConfig,
-            groups=(
-                build(
-                    c.OffloadingGroupConfig,
-                    tokens_per_block=32,
-                    layer_names=tuple(LAYERS),
-                    group_id=0,
-                ),
-            ),
+        offloading_config(
+            layer_names=LAYERS,
+            tokens_per_block=32,
             worker_kv_bytes_per_block=65536,
-            enable_kv_cache_events=kv_events,
             extra_config=extra,
+            blocks_per_chunk=blocks_per_chunk,
+            model=str(model),
             engine_id=engine_id,
-            model=build(c.OffloadingModelConfig, name=str(model), dtype="float32"),
-            cache=build(
-                c.OffloadingCacheConfig, tokens_per_hash=32, blocks_per_chunk=blocks_per_chunk
-            ),
-            parallel=build(
-                c.OffloadingParallelConfig,
-                rank=rank,
-                world_size=world_size,
-                tp_size=world_size,
-                pp_size=1,
-                pcp_size=1,
-                dcp_size=1,
-                data_parallel_index=0,
-                data_parallel_size=1,
-                data_parallel_rank_local=None,
-                is_parallelism_agnostic=False,
-            ),
+            rank=rank,
+            world_size=world_size,
+            kv_events=kv_events,
             replicated_layout=replicated_layout,
         )
     )

@@ -4,6 +4,8 @@
   (:func:`make_tiny_mla`: one with multi-head latent attention);
 * :func:`run_workload`, :func:`compare_outputs`: greedy runs compared token by token;
 * :class:`SchedulerTokenCounter`: the engine's work in scheduled tokens;
+* ``kvtier.testkit.offloading.offloading_config``: vLLM's ``OffloadingConfig`` without an
+  engine;
 * ``kvtier.testkit.pytest_plugin``: session fixtures (``pytest_plugins = [...]``).
 
 Importing it never imports vLLM; the engine helpers import it when called.

@@ -6,7 +6,8 @@
       * kvtier: ``FileSystemTier`` (header + XXH3-64 checksum per file, temp name + rename),
         written into an empty tier ("filling"), read, then written again at capacity, where
         each write takes over the file of the entry it evicts (a tier's usual state);
-      * vllm: vLLM's ``FileSystemTierManager`` (no checksum), driven without an engine;
+      * vllm: vLLM's ``FileSystemTierManager`` (no checksum), driven without an engine
+        (its config is built by kvtier-testkit);
     kvtier and vLLM use the same thread counts. Every side bypasses the page cache
     with O_DIRECT where the filesystem accepts it; where it does not, every file is
     dropped from the page cache (``posix_fadvise(DONTNEED)`` after ``fsync``) before it
@@ -163,37 +164,19 @@ def bench_kvtier(root: str, buf: mmap.mmap, block: int, threads: int) -> list[di
 def bench_vllm(root: str, buf: mmap.mmap, block: int, threads: int) -> list[dict[str, Any]]:
     np: Any = importlib.import_module("numpy")  # numpy comes with vLLM
     from vllm.v1.kv_offload.base import ReqContext
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
     from vllm.v1.kv_offload.tiering.base import TransferJob
     from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
+    from kvtier.testkit.offloading import offloading_config
+
     n = len(buf) // block
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+    config = offloading_config(
+        layer_names=["l0"],
+        tokens_per_block=16,
         worker_kv_bytes_per_block=block,
-        enable_kv_cache_events=False,
-        extra_config={},
+        model="bench",
+        dtype="float16",
         engine_id="bench",
-        model=OffloadingModelConfig(name="bench", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
     )
 
     class SpecStandIn:
