@@ -4,7 +4,9 @@ A script, so that each engine runs in a process of its own: vLLM 0.32's kernel-o
 scan of ``sys.modules`` trips over numba's llvmlite (which the ngram drafter imports)
 when a second engine starts in the same process.
 
-Usage: python spec_decode_script.py MODEL OUT.json reference|connector sync|async
+Usage (the tests folder on PYTHONPATH):
+    python -m recompute_connector_tests.spec_decode_script MODEL OUT.json
+        reference|connector sync|async
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def main() -> None:
     model, out, name, mode = sys.argv[1:5]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from kvtier.testkit import FORCED_PREEMPTION_WORKLOAD, REFERENCE_ENGINE, run_with
-    from recompute_connector_tests.e2e_support import run_connector, standalone
+
+    from .e2e_support import run_connector, standalone
 
     engine = {"speculative_config": NGRAM, "async_scheduling": mode == "async"}
     if name == "reference":

@@ -22,7 +22,8 @@ from kvtier.testkit import (
     requires_vllm,
     run_with,
 )
-from recompute_connector_tests.e2e_support import (
+
+from .e2e_support import (
     ConnectorRun,
     multi,
     run_connector,
@@ -138,7 +139,8 @@ def test_failed_restores_are_recomputed(tiny_model: Path, reference: WorkloadRes
 
 def test_requests_aborted_while_preempted_leave_the_host_pool_empty(tiny_model: Path) -> None:
     from kvtier.testkit import greedy_params, kv_transfer_config, llm_session
-    from recompute_connector_tests.e2e_support import recompute_connector
+
+    from .e2e_support import recompute_connector
 
     with llm_session(
         tiny_model,

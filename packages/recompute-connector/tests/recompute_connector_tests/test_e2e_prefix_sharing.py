@@ -23,7 +23,8 @@ from kvtier.testkit import (
     requires_vllm,
     run_with,
 )
-from recompute_connector_tests.e2e_support import ConnectorRun, run_connector, standalone
+
+from .e2e_support import ConnectorRun, run_connector, standalone
 
 pytestmark = [pytest.mark.e2e, requires_vllm]
 

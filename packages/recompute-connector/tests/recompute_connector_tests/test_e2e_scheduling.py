@@ -10,9 +10,6 @@ that greedy outputs match an unpreempted run token for token.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +19,10 @@ from kvtier.testkit import (
     FORCED_PREEMPTION_WORKLOAD,
     compare_outputs,
     requires_vllm,
+    run_script,
 )
-from recompute_connector_tests.e2e_support import run_connector, standalone
+
+from .e2e_support import run_connector, standalone
 
 pytestmark = [pytest.mark.e2e, requires_vllm]
 
@@ -48,23 +47,12 @@ def test_scheduling_mode_keeps_outputs_identical(
     check(run, reference)
 
 
-SCRIPT = Path(__file__).with_name("spec_decode_script.py")
+SCRIPT = "recompute_connector_tests.spec_decode_script"
 
 
 def spec_run(model: Path, tmp_path: Path, name: str, mode: str) -> dict[str, Any]:
     out = tmp_path / f"{name}-{mode}.json"
-    tests_dir = str(Path(__file__).resolve().parents[1])
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model), str(out), name, mode],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    proc = run_script(__file__, SCRIPT, str(model), str(out), name, mode, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 

@@ -5,30 +5,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from kvtier.testkit import WorkloadResult, compare_outputs, requires_vllm
+from kvtier.testkit import WorkloadResult, compare_outputs, requires_vllm, run_script
 
 MIN_PREEMPTIONS = 10
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
 
-SCRIPT = Path(__file__).with_name("tp2_script.py")
+SCRIPT = "recompute_connector_tests.tp2_script"
 
 
 def run_tp2(model: Path, out: Path, *runs: str) -> tuple[dict, str]:
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model), str(out), *runs],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    proc = run_script(__file__, SCRIPT, str(model), str(out), *runs, env=env, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     return json.loads(out.read_text()), log

@@ -20,7 +20,8 @@ from kvtier.testkit import (
     compare_outputs,
     requires_vllm,
 )
-from recompute_connector_tests.e2e_support import run_connector
+
+from .e2e_support import run_connector
 
 pytestmark = [pytest.mark.e2e, requires_vllm]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.testkit import FORCED_PREEMPTION_WORKLOAD, requires_vllm
+from kvtier.testkit import FORCED_PREEMPTION_WORKLOAD, requires_vllm, script_env
 from kvtier.testkit.server import VllmServer, free_port, kv_transfer_arg, prometheus_values
 
 pytestmark = [pytest.mark.e2e, requires_vllm]
@@ -73,9 +73,8 @@ def test_guide_pd_decode_node_with_real_mooncake_restores_preempted_requests(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     bootstrap = free_port()
-    tests_dir = str(Path(__file__).resolve().parents[1])
     env = {
-        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": script_env(__file__)["PYTHONPATH"],
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap),
         "VLLM_CPU_KVCACHE_SPACE": "1",

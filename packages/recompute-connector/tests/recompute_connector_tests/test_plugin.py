@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvtier.recompute_connector import plugin
-from kvtier.testkit import requires_vllm
+from kvtier.testkit import requires_vllm, script_env
 
 
 def test_entry_point_is_declared_for_vllm_general_plugins() -> None:
@@ -77,15 +77,11 @@ for name in ("RecomputeCPUOffloadConnector", "KvtierRecomputeCPUOffloadConnector
 
 
 def coexist(order: str, **env: str) -> tuple[dict[str, str], str]:
-    import os
-    from pathlib import Path
-
-    tests_root = str(Path(__file__).resolve().parent.parent)
     result = subprocess.run(
         [sys.executable, "-c", COEXIST.format(order=order)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": tests_root, **env},
+        env=script_env(__file__, env),
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,5 +1,7 @@
 """Tensor parallel 2 runs for test_e2e_tp2.py (a script: vLLM's multiprocess engine needs
-the ``__main__`` guard). Usage: python tp2_script.py MODEL OUT.json [connector] [reference]"""
+the ``__main__`` guard). Usage, with the tests folder on PYTHONPATH:
+    python -m recompute_connector_tests.tp2_script MODEL OUT.json [connector] [reference]
+"""
 
 from __future__ import annotations
 

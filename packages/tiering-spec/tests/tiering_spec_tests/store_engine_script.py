@@ -1,6 +1,6 @@
 """One vLLM engine process of the store-tier end-to-end test (run by test_store_e2e).
 
-Usage: python store_engine_script.py OUT_JSON MODE [CONFIG_JSON] [PAUSE_DIR]
+Usage: python -m tiering_spec_tests.store_engine_script OUT_JSON MODE [CONFIG_JSON] [PAUSE_DIR]
 
 MODE is ``reference`` (room for everything, no connector), ``host`` (the host tier
 alone) or ``store`` (the host tier plus the store tier of CONFIG_JSON). The prefix
@@ -21,14 +21,12 @@ from typing import Any
 
 
 def main() -> None:
-    here = Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from e2e_common import ENGINE, ROOMY, offload_config, prefix_prompts
-
     import kvtier.testkit as testkit
     from kvtier.testkit import Workload, kv_transfer_config
     from kvtier.testkit.engine import kv_connector_of
+
+    from .e2e_support import ENGINE, ROOMY, offload_config, prefix_prompts
 
     out, mode = sys.argv[1], sys.argv[2]
     tier = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .e2e_common import ENGINE, ROOMY, offload_config, prefix_prompts
+from kvtier.testkit import run_script
+
+from .e2e_support import ENGINE, ROOMY, offload_config, prefix_prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-testkit = pytest.importorskip("kvtier.testkit")
+import kvtier.testkit as testkit  # noqa: E402
+
 pytest.importorskip("vllm")
 
 from kvtier.testkit import Workload, compare_outputs, kv_transfer_config, run_with  # noqa: E402
@@ -183,24 +184,17 @@ def test_the_guides_examples_start_and_serve(model: Path, tmp_path: Path, spec_n
         testkit.free_llm(llm)
 
 
-def run_tp2_script(name: str, tmp_path: Path, marker: str) -> None:
+def run_tp2_script(module: str, tmp_path: Path, marker: str) -> None:
     """Run a TP 2 engine script (multiprocess, one core per rank) and check its marker."""
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name(name)), str(tmp_path / "fs")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd=str(tmp_path),
-    )
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    out = run_script(__file__, module, str(tmp_path / "fs"), env=env, timeout=900, cwd=tmp_path)
     tail = (out.stdout + out.stderr)[-4000:]
     assert out.returncode == 0, tail
     assert marker in out.stdout, tail
 
 
 def test_tensor_parallel_2_hits_host_and_fs_tiers_and_keeps_ranks_apart(tmp_path: Path) -> None:
-    run_tp2_script("tp2_script.py", tmp_path, "TP2 OK")
+    run_tp2_script("tiering_spec_tests.tp2_script", tmp_path, "TP2 OK")
 
 
 @pytest.mark.skipif(
@@ -209,4 +203,4 @@ def test_tensor_parallel_2_hits_host_and_fs_tiers_and_keeps_ranks_apart(tmp_path
     "failed to start this MLA model with TP 2)",
 )
 def test_tensor_parallel_2_mla_keeps_one_copy_of_the_replicated_kv(tmp_path: Path) -> None:
-    run_tp2_script("tp2_mla_script.py", tmp_path, "TP2 MLA OK")
+    run_tp2_script("tiering_spec_tests.tp2_mla_script", tmp_path, "TP2 MLA OK")

@@ -43,7 +43,7 @@ from kvtier.tiering_spec.config import ConfigError, FsTierConfig, parse_config
 from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, model_files
 
-from .conftest import wait_results
+from .tier_support import wait_results
 
 try:  # whether this vLLM builds specs from vLLM 0.32's OffloadingConfig
     from kvtier.tiering_spec.vllm_compat import CONFIG_API
@@ -606,7 +606,7 @@ def test_a_model_rewritten_in_place_gets_misses_not_its_old_kv(
     )
     from kvtier.testkit.engine import kv_connector_of
 
-    from .e2e_common import ENGINE, ROOMY, offload_config, prefix_prompts
+    from .e2e_support import ENGINE, ROOMY, offload_config, prefix_prompts
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
@@ -645,7 +645,7 @@ def test_transfers_the_copy_engine_refuses_are_recomputed_not_fatal(
     from kvtier.testkit.engine import kv_connector_of
     from kvtier.tiering_spec.worker import OffloadTransferWorker
 
-    from .e2e_common import ENGINE, ROOMY, offload_config, prefix_prompts
+    from .e2e_support import ENGINE, ROOMY, offload_config, prefix_prompts
 
     refused = {"store": 0, "load": 0}
     calls = {"store": 0, "load": 0}

@@ -14,7 +14,7 @@ import pytest
 from kvtier.tiering_spec import fsformat, fstier
 from kvtier.tiering_spec.fsformat import key_digest
 
-from .conftest import PAYLOAD, Region, wait_results
+from .tier_support import PAYLOAD, Region, wait_results
 
 
 def write(tier, region: Region, key: bytes, block: int, seed: int) -> bytes:

@@ -9,7 +9,7 @@ from kvtier.tiering_spec import metrics
 from kvtier.tiering_spec.fsformat import key_digest
 from kvtier.tiering_spec.manager import Lookup, TierManager
 
-from .conftest import PAYLOAD, Region
+from .tier_support import PAYLOAD, Region
 
 
 def settle(mgr: TierManager, timeout: float = 20.0) -> None:

@@ -10,7 +10,6 @@ engine goes on with misses. Needs Mooncake (the ``pd`` nox session).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,10 +19,12 @@ from typing import Any
 
 import pytest
 
+from kvtier.testkit import script_env
+
 from .mooncake_env import Master, _mooncake, lend_memory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-SCRIPT = Path(__file__).with_name("store_engine_script.py")
+SCRIPT = "tiering_spec_tests.store_engine_script"
 DECODE_TOKENS = 16 * 7  # 16 requests x 8 generated tokens, the first from the prefill
 
 
@@ -52,12 +53,12 @@ def tier(master: Master) -> dict[str, Any]:
 
 def engine(tmp_path: Path, mode: str, cfg: Any = None, pause: Path | None = None) -> Any:
     out = tmp_path / f"{mode}-{time.monotonic_ns()}.json"
-    args = [sys.executable, str(SCRIPT), str(out), mode]
+    args = [sys.executable, "-m", SCRIPT, str(out), mode]
     if cfg is not None:
         args.append(json.dumps(cfg))
     if pause is not None:
         args.append(str(pause))
-    env = {**os.environ, "PYTHONHASHSEED": "0"}  # one block-hash seed for every engine
+    env = script_env(__file__, {"PYTHONHASHSEED": "0"})  # one block-hash seed for all
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out
 
 

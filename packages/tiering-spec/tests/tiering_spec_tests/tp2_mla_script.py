@@ -3,7 +3,8 @@ across the ranks, so the host and fs tiers keep one copy; and since vLLM's CPU M
 backend computes differently on top of cached KV, kvtier loads nothing there (run by
 test_e2e in a subprocess).
 
-Usage: VLLM_CPU_OMP_THREADS_BIND='0|1' python tp2_mla_script.py ROOT_DIR
+Usage: VLLM_CPU_OMP_THREADS_BIND='0|1' python -m tiering_spec_tests.tp2_mla_script ROOT_DIR
+(with the tests folder on PYTHONPATH)
 """
 
 from __future__ import annotations
@@ -20,16 +21,10 @@ HOST_CHUNKS = 20
 
 
 def main() -> None:
-    here = Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
-    try:
-        import kvtier.testkit  # noqa: F401
-    except ImportError:  # the monorepo's working tree, as conftest.py does
-        sys.path.append(str(here.parents[2] / "testkit" / "src"))
-    from e2e_common import ROOMY, prefix_prompts
-
     import kvtier.testkit as testkit
     from kvtier.testkit import Workload, compare_outputs, kv_transfer_config
+
+    from .e2e_support import ROOMY, prefix_prompts
 
     root = sys.argv[1]
     model = testkit.make_tiny_mla()

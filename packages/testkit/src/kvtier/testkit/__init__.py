@@ -4,6 +4,7 @@
   (:func:`make_tiny_mla`: one with multi-head latent attention);
 * :func:`run_workload`, :func:`compare_outputs`: greedy runs compared token by token;
 * :class:`SchedulerTokenCounter`: the engine's work in scheduled tokens;
+* :func:`run_script`, :func:`script_env`: a test package's script in a subprocess;
 * ``kvtier.testkit.offloading.offloading_config``: vLLM's ``OffloadingConfig`` without an
   engine;
 * ``kvtier.testkit.pytest_plugin``: session fixtures (``pytest_plugins = [...]``).
@@ -52,6 +53,7 @@ from kvtier.testkit.model import (
     read_spec,
     special_token_ids,
 )
+from kvtier.testkit.scripts import run_script, script_env, tests_root
 
 __all__ = [
     "ENV_MODEL_DIR",
@@ -88,10 +90,13 @@ __all__ = [
     "metric_values",
     "read_spec",
     "requires_vllm",
+    "run_script",
     "run_with",
     "run_workload",
     "scheduler_of",
+    "script_env",
     "special_token_ids",
+    "tests_root",
     "vllm_available",
 ]
 

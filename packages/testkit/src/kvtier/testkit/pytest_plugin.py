@@ -1,6 +1,7 @@
-"""pytest fixtures for engine tests. Enable in a test module or conftest with::
-
-    pytest_plugins = ["kvtier.testkit.pytest_plugin"]
+"""pytest fixtures for engine tests. pytest loads this module through kvtier-testkit's
+``pytest11`` entry point wherever the package is installed (the entry point's name is
+the module's, so a ``pytest_plugins = ["kvtier.testkit.pytest_plugin"]`` elsewhere finds
+it registered already).
 
 Fixtures (session-scoped, made once per test session and cached on disk across
 sessions, see :func:`kvtier.testkit.default_model_root`):
