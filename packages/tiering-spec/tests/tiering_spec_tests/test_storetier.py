@@ -8,6 +8,7 @@ where they fail instead.
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -195,3 +196,60 @@ def test_a_store_down_at_start_gives_misses_until_it_is_up(tmp_path) -> None:
         tier.shutdown()
         if late["master"] is not None:
             late["master"].stop()
+
+
+class RecordingClient:
+    """A store client that records which thread registers memory, and can refuse it."""
+
+    def __init__(self, refuse: int = 0) -> None:
+        self.registered: list[tuple[int, str]] = []
+        self.refuse = refuse
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        if self.refuse:
+            self.refuse -= 1
+            return -1
+        self.registered.append((size, threading.current_thread().name))
+        return 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [0] * len(keys)
+
+
+def test_the_host_region_is_registered_off_the_scheduler_thread_once_mapped() -> None:
+    # Registering pins the region for RDMA, seconds for tens of GiB: the scheduler
+    # thread must never do it, and the tier must wait for the region to be mapped.
+    region = Region(4, copies=2)
+    mapped: dict[str, bool] = {"yes": False}
+    client = RecordingClient()
+    tier = StoreTier(
+        lambda: client,
+        [{"model": uuid.uuid4().hex, "rank": r} for r in range(2)],
+        PAYLOAD,
+        lambda: region.views() if mapped["yes"] else None,
+    )
+    try:
+        assert not tier.wait_connected(0.3), "ready before the host regions were mapped"
+        assert not tier.submit_write(b"k", key_digest(b"k"), 0), "a write without a region"
+        mapped["yes"] = True
+        assert tier.wait_connected(10), "the regions were not registered once mapped"
+        # the header pages first, then each copy's region
+        assert [size for size, _ in client.registered][1:] == [4 * PAYLOAD] * 2
+
+        me = threading.current_thread().name
+        assert all(name != me for _, name in client.registered), client.registered
+    finally:
+        tier.shutdown()
+
+
+def test_a_refused_registration_backs_off_and_is_tried_again() -> None:
+    region = Region(2)
+    client = RecordingClient(refuse=2)  # the header pages, then the region
+    tier = StoreTier(lambda: client, [{"model": uuid.uuid4().hex}], PAYLOAD, region.views)
+    try:
+        assert tier.wait_connected(10), "registration was not tried again"
+        tier.poll()
+        assert tier.faults()["unreachable"] >= 2
+        assert [size for size, _ in client.registered][-1] == 2 * PAYLOAD
+    finally:
+        tier.shutdown()

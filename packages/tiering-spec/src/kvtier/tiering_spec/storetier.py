@@ -9,8 +9,9 @@ like the fs tier, with the same duck-typed interface, so the manager treats both
   file: a 4096-byte header (fingerprint, key digest, length, XXH3-64 of the payload)
   then the payload. An object whose header or checksum does not match is a miss,
   counted and removed; one the store evicted is a miss, counted.
-* **Zero copy.** The host region is registered with the store client once; a write
-  puts from, and a read gets into, the host block itself (plus a header page).
+* **Zero copy.** The host region is registered with the store client once, by the
+  thread that connects; a write puts from, and a read gets into, the host block itself
+  (plus a header page). Until it is registered, writes are dropped and reads refused.
 * **No store call on the scheduler thread.** Lookups read an in-memory index of
   objects this tier wrote or found. An unknown key is handed to a background thread
   that asks the store in batches; until it answers, :meth:`StoreTier.contains`
@@ -51,6 +52,8 @@ NEGATIVE_TTL_S = 2.0
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 # Keys the index remembers (least recently used dropped first).
+REGION_POLL_S = 0.05
+"""How often the connect thread looks for host regions not mapped yet (seconds)."""
 MAX_INDEX_ENTRIES = 1_000_000
 SHUTDOWN_TIMEOUT_S = 10.0
 # Mooncake's error code for an object that does not exist (evicted or never put).
@@ -126,7 +129,9 @@ class StoreTier(TierJobs):
         self.fingerprints = [fsformat.layout_fingerprint(layout) for layout in layouts]
         self._prefixes = [f"{fsformat.FORMAT_DIR}/{fp.hex()}/" for fp in self.fingerprints]
         self._region_views = region_views
-        self._regions: list[int] | None = None  # base address of each copy's region
+        # Base address of each copy's region, set by the connect thread once registered.
+        self._regions: list[int] | None = None
+        self._registered: set[int] = set()
         self._views: Sequence[memoryview] | None = None
         # Header pages for one batch, registered with the client once it is connected.
         self._headers = mmap.mmap(-1, fsformat.HEADER_SIZE * MAX_BATCH * self.copies)
@@ -174,46 +179,55 @@ class StoreTier(TierJobs):
         hexd = digest.hex()
         return [prefix + hexd for prefix in self._prefixes]
 
-    def _regions_now(self) -> list[int] | None:
-        """The registered host regions' addresses, or None (not mapped or not connected)."""
-        client = self.client
-        if self._regions is None and client is not None:
-            views = self._region_views()
-            if views is None:
-                return None
-            regions = []
-            for view in views:
-                addr = _address(view)
-                if client.register_buffer(addr, len(view)) != 0:
-                    self._failures.append("registering the host region failed")
-                    return None
-                regions.append(addr)
-            self._views, self._regions = views, regions
-        return self._regions
-
     def _down(self) -> bool:
         return self.client is None or time.monotonic() < self._down_until
 
     def wait_connected(self, timeout: float = 30.0) -> bool:
-        """Whether the client connected within ``timeout`` seconds (tests, benchmarks)."""
+        """Whether the client connected and registered the host regions within
+        ``timeout`` seconds (tests, benchmarks)."""
         return self._connected.wait(timeout)
 
     def _connect_loop(self) -> None:
+        """Connect, then register the host regions once they are mapped. Registering
+        pins the memory for RDMA, seconds for tens of GiB: never on the scheduler
+        thread. Failures back off and try again until shutdown."""
         delay = BACKOFF_MIN_S
         while not self._stop.is_set():
             try:
-                client = self._connect()
-                if client.register_buffer(self._headers_addr, len(self._headers)) != 0:
-                    raise RuntimeError("registering the header pages failed")
+                if self.client is None:
+                    client = self._connect()
+                    if client.register_buffer(self._headers_addr, len(self._headers)) != 0:
+                        raise RuntimeError("registering the header pages failed")
+                    self.client = client
+                    logger.info("kvtier store tier %r: connected", self.name)
+                if self._register_regions(self.client):
+                    self._connected.set()
+                    return
+                delay = REGION_POLL_S  # the regions are not mapped yet
             except Exception as exc:
                 self._failures.append(f"connecting failed: {type(exc).__name__}: {exc}")
+                delay = max(delay, BACKOFF_MIN_S)
                 self._stop.wait(delay)
                 delay = min(BACKOFF_MAX_S, delay * 2)
                 continue
-            self.client = client
-            self._connected.set()
-            logger.info("kvtier store tier %r: connected", self.name)
-            return
+            self._stop.wait(delay)
+
+    def _register_regions(self, client: StoreClient) -> bool:
+        """Register every copy's host region not registered yet; True once all are.
+        False while the regions cannot be mapped; raises when the client refuses one."""
+        views = self._region_views()
+        if views is None:
+            return False
+        for view in views:
+            addr = _address(view)
+            if addr in self._registered:
+                continue
+            if client.register_buffer(addr, len(view)) != 0:
+                raise RuntimeError("registering the host region failed")
+            self._registered.add(addr)
+        self._views = views
+        self._regions = [_address(view) for view in views]
+        return True
 
     # ----------------------------------------------------------------- queries
 
@@ -252,7 +266,7 @@ class StoreTier(TierJobs):
         """Put host block ``block_id`` (every copy) as ``key``. False if not submitted."""
         if self._closed or digest in self._index or digest in self._writing:
             return False
-        if self._down() or self._regions_now() is None:
+        if self._down() or self._regions is None:
             self.stats.writes_dropped += 1
             return False
         self._writing.add(digest)
@@ -264,7 +278,7 @@ class StoreTier(TierJobs):
         """Get ``key``'s objects into host block ``block_id``. False if not submitted."""
         if self._closed or digest not in self._index or self._down():
             return False
-        if self._regions_now() is None:
+        if self._regions is None:
             return False
         self._reading[digest] = self._reading.get(digest, 0) + 1
         self._index.move_to_end(digest)

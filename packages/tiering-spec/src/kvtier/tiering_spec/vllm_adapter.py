@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, cast
 
@@ -506,15 +507,18 @@ class TieringOffloadingSpec(_KvtierSpec):
         layouts = self._layouts(identity)
         payload = self.chunk_bytes
         state: dict[str, list[memoryview] | None] = {"views": None}
+        # A store tier's connect thread asks too: the regions are attached once.
+        attaching = threading.Lock()
 
         def views() -> list[memoryview] | None:
-            if state["views"] is None:
-                regions = self.attach_regions()
-                if regions is None:
-                    return None
-                on_regions.extend(regions)
-                state["views"] = [r.tensor.numpy().data.cast("B") for r in regions]
-            return state["views"]
+            with attaching:
+                if state["views"] is None:
+                    regions = self.attach_regions()
+                    if regions is None:
+                        return None
+                    on_regions.extend(regions)
+                    state["views"] = [r.tensor.numpy().data.cast("B") for r in regions]
+                return state["views"]
 
         tiers: list[SecondaryTier] = []
         seen: dict[str, int] = {}
