@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier.npu_copy import TransferEngine, native
-from kvtier.npu_copy.backends import PARALLEL_MIN_BYTES, STREAM_MIN_BYTES
+from kvtier.npu_copy.cpu_backend import PARALLEL_MIN_BYTES, STREAM_MIN_BYTES
 
 
 @pytest.fixture
