@@ -77,16 +77,20 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def compiler_version(cc: str) -> str:
-    """``cc --version``'s output; a compiler that cannot say raises ``RuntimeError``."""
-    cmd = [*cc.split(), "--version"]
+def _run(cmd: list[str], timeout_s: float) -> str:
+    """Run ``cmd``; its stdout and stderr, or ``RuntimeError`` saying why it failed."""
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RuntimeError(f"{' '.join(cmd)} failed: {exc}") from exc
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
     return res.stdout + res.stderr
+
+
+def compiler_version(cc: str) -> str:
+    """``cc --version``'s output; a compiler that cannot say raises ``RuntimeError``."""
+    return _run([*cc.split(), "--version"], timeout_s=30)
 
 
 def build_key(cc: str) -> str:
@@ -112,13 +116,7 @@ def library_path(cc: str) -> Path:
 
 def compile_library(cc: str, out: Path) -> None:
     """Compile ``C_SOURCE`` into the shared library ``out`` with :data:`CFLAGS`."""
-    cmd = [*cc.split(), *CFLAGS, "-o", str(out), str(C_SOURCE)]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {exc}") from exc
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
+    _run([*cc.split(), *CFLAGS, "-o", str(out), str(C_SOURCE)], timeout_s=120)
 
 
 def _private_dir(directory: Path) -> bool:
