@@ -3,7 +3,9 @@
 Packages are discovered from ``packages/*/pyproject.toml``; nothing here keeps a
 hand-written list of them. Every session that installs a package installs it
 together with the closure of its kvtier siblings from the working tree, in one
-pip call, and then checks that no sibling came from a package index.
+pip call, and then checks that no sibling came from a package index. A package
+whose wheel a build hook compiles (kvtier-npu-copy) is tested in its own session
+as that wheel: built, checked to hold the compiled library, installed, tested.
 
     nox -s tests            # every test of every package (what CI runs)
     nox -s test-blockpool   # one package's tests
@@ -19,6 +21,7 @@ import os
 import re
 import shutil
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +79,7 @@ class Package:
     dependencies: list[str]
     extras: dict[str, list[str]]
     siblings: list[str] = field(default_factory=list)
+    compiled: bool = False  # a wheel build hook compiles code into its wheels
 
     @property
     def short(self) -> str:
@@ -91,6 +95,7 @@ def discover() -> dict[str, Package]:
             dist=_norm(meta["name"]),
             dependencies=list(meta.get("dependencies", [])),
             extras=dict(meta.get("optional-dependencies", {})),
+            compiled=bool(_wheel_build_hooks(pyproject)),
         )
         packages[pkg.dist] = pkg
     for pkg in packages.values():
@@ -99,6 +104,12 @@ def discover() -> dict[str, Package]:
         reqs = pkg.dependencies + [r for e in TEST_EXTRAS for r in pkg.extras.get(e, [])]
         pkg.siblings = [_requirement_name(r) for r in reqs if _requirement_name(r) in packages]
     return packages
+
+
+def _wheel_build_hooks(pyproject: Path) -> dict[str, object]:
+    tool = tomllib.loads(pyproject.read_text()).get("tool", {})
+    wheel = tool.get("hatch", {}).get("build", {}).get("targets", {}).get("wheel", {})
+    return dict(wheel.get("hooks", {}))
 
 
 PACKAGES = discover()
@@ -176,14 +187,19 @@ def install_packages(
     *extra: str,
     with_vllm: bool = False,
     vllm_version: str | None = None,
+    wheels: dict[str, Path] | None = None,
 ) -> list[Package]:
-    """Install packages and their sibling closure from the working tree in one pip call."""
+    """Install packages and their sibling closure from the working tree in one pip call;
+    a package named in ``wheels`` from that wheel file instead of its folder."""
     pkgs = closure(dists)
+    wheels = wheels or {}
     if with_vllm:
         install_vllm(session, vllm_version)
     else:
         session.install(TORCH)
-    session.install(*[str(p.folder) for p in pkgs], *extra)
+    if wheels:  # a reused environment may hold the same version installed from source
+        session.run("pip", "uninstall", "-y", *wheels, silent=True)
+    session.install(*[str(wheels.get(p.dist, p.folder)) for p in pkgs], *extra)
     session.run("python", "-c", _CHECK_LOCAL, *[p.dist for p in pkgs], silent=False)
     return pkgs
 
@@ -196,9 +212,9 @@ def _needs_vllm(pkg: Package) -> bool:
     return "vllm" in pkg.extras
 
 
-def _pytest(session: nox.Session, paths: list[str]) -> None:
+def _pytest(session: nox.Session, paths: list[str], env: dict[str, str] | None = None) -> None:
     args = session.posargs or []
-    session.run("pytest", "-p", "no:cacheprovider", *paths, *args)
+    session.run("pytest", "-p", "no:cacheprovider", *paths, *args, env=env)
 
 
 _NO_VLLM = (
@@ -208,14 +224,52 @@ _NO_VLLM = (
 )
 
 
+# Build hooks fail instead of falling back to a pure wheel when this is set.
+REQUIRE_NATIVE_BUILD = {"KVTIER_REQUIRE_NATIVE_BUILD": "1"}
+# The tests of a compiled wheel fail unless the library loaded is the one it ships.
+REQUIRE_PREBUILT = {"KVTIER_REQUIRE_PREBUILT": "1"}
+# Run against the installed wheel after its tests, so CI prints the benchmark's bar.
+WHEEL_BENCHMARKS = {
+    "kvtier-npu-copy": ["kvtier-copy-bench", "--device", "cpu", "--repeats", "3"],
+}
+
+
+def build_compiled_wheel(session: nox.Session, pkg: Package) -> Path:
+    """Build ``pkg``'s platform wheel (its build hook must compile) and check that it
+    holds a compiled library under the package; returns the wheel's path."""
+    out = Path(session.create_tmp()) / "wheels"
+    shutil.rmtree(out, ignore_errors=True)
+    session.run(
+        "python", "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(pkg.folder),
+        env=REQUIRE_NATIVE_BUILD,
+    )  # fmt: skip
+    wheels = sorted(out.glob("*.whl"))
+    if len(wheels) != 1:
+        session.error(f"expected one wheel of {pkg.dist} in {out}, found {wheels}")
+    wheel = wheels[0]
+    if wheel.name.endswith("-any.whl"):
+        session.error(f"{wheel.name} is a pure wheel: the build hook compiled nothing")
+    with zipfile.ZipFile(wheel) as zf:
+        libraries = [n for n in zf.namelist() if n.startswith("kvtier/") and n.endswith(".so")]
+    if not libraries:
+        session.error(f"{wheel.name} holds no compiled library under kvtier/")
+    session.log(f"{wheel.name} holds {', '.join(libraries)}")
+    return wheel
+
+
 def _make_test_session(pkg: Package) -> None:
     def run(session: nox.Session) -> None:
-        install_packages(session, [pkg.dist], *TEST_DEPS, with_vllm=_needs_vllm(pkg))
+        wheels = {pkg.dist: build_compiled_wheel(session, pkg)} if pkg.compiled else {}
+        install_packages(session, [pkg.dist], *TEST_DEPS, with_vllm=_needs_vllm(pkg), wheels=wheels)
         if not _needs_vllm(pkg):  # the library's own dependencies must not bring vLLM
             session.run("python", "-c", _NO_VLLM)
-        _pytest(session, _test_paths([pkg]))
+        _pytest(session, _test_paths([pkg]), env=REQUIRE_PREBUILT if pkg.compiled else None)
+        if pkg.compiled and pkg.dist in WHEEL_BENCHMARKS:
+            session.run(*WHEEL_BENCHMARKS[pkg.dist])
 
-    run.__doc__ = f"Run the tests of {pkg.dist}."
+    run.__doc__ = f"Run the tests of {pkg.dist}" + (
+        ", built and installed as a platform wheel." if pkg.compiled else "."
+    )
     nox.session(name=f"test-{pkg.short}")(run)
 
 

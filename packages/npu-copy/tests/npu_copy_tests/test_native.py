@@ -1,28 +1,18 @@
-"""The compiled piece copier: built on first use, byte-exact, and optional."""
+"""The compiled piece copier: built on first use where no wheel shipped it, byte-exact,
+and optional. (Which library loads, and the build lock: test_native_load.py.)"""
 
 from __future__ import annotations
 
 import logging
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from kvtier.npu_copy import TransferEngine, native
-from kvtier.npu_copy.backends import PARALLEL_MIN_BYTES, STREAM_MIN_BYTES
+from kvtier.npu_copy.cpu_backend import PARALLEL_MIN_BYTES, STREAM_MIN_BYTES
 
-
-@pytest.fixture
-def fresh_native(tmp_path, monkeypatch) -> Iterator[None]:
-    """An empty library cache and no remembered load, before and after the test."""
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
-    native.reset_for_tests()
-    yield
-    native.reset_for_tests()
-
-
-needs_cc = pytest.mark.skipif(native._compiler() is None, reason="no C compiler here")
+needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler here")
 
 
 @needs_cc
@@ -32,6 +22,7 @@ def test_builds_into_the_cache_on_first_use(fresh_native, tmp_path) -> None:
     built = list((tmp_path / "cache" / "native").glob("copy_pieces-*.so"))
     assert len(built) == 1
     assert native.load() is fn  # loaded once per process
+    assert (native.source(), native.library_file()) == ("built", built[0])
 
 
 def test_a_broken_compiler_leaves_the_portable_path(fresh_native, monkeypatch, caplog) -> None:
@@ -48,6 +39,7 @@ def test_a_broken_compiler_leaves_the_portable_path(fresh_native, monkeypatch, c
 def test_switched_off_by_environment(fresh_native, monkeypatch) -> None:
     monkeypatch.setenv("KVTIER_NATIVE_COPY", "0")
     assert native.load() is None
+    assert (native.source(), native.library_file()) == ("none", None)
 
 
 def _odd_layout(
@@ -108,7 +100,7 @@ def test_scattered_copies_are_byte_exact(
 def test_a_damaged_cached_library_is_built_again(fresh_native) -> None:
     # (Damaged before this process maps it: rewriting a mapped library in place would
     # fault the process, which is why builds only ever rename a new file into place.)
-    cc = native._compiler()
+    cc = native.compiler()
     assert cc is not None
     path = native.library_path(cc)
     path.parent.mkdir(parents=True)
@@ -121,7 +113,7 @@ def test_a_damaged_cached_library_is_built_again(fresh_native) -> None:
 def test_a_stale_library_that_loads_is_replaced(fresh_native, tmp_path) -> None:
     """A cached library of another ABI loads but is refused; the rebuilt one is used even
     though this process already mapped the stale one under the same name."""
-    cc = native._compiler()
+    cc = native.compiler()
     assert cc is not None
     path = native.library_path(cc)
     path.parent.mkdir(parents=True)

@@ -6,18 +6,13 @@ from typing import Any
 
 import torch
 
-from kvtier.npu_copy.backends import (
-    Backend,
-    BatchMemcpy,
-    CPUBackend,
-    Dep,
-    ImmediateStreamOps,
-    StreamBackend,
-)
+from kvtier.npu_copy.backend import Backend, Dep
+from kvtier.npu_copy.cpu_backend import CPUBackend
 from kvtier.npu_copy.handle import TransferHandle, completed_handle
 from kvtier.npu_copy.layout import KVCaches, KVLayout
 from kvtier.npu_copy.plan import BlockIds, as_id_list, check_ids, check_unique
 from kvtier.npu_copy.platform_dma import platform_batch_memcpy
+from kvtier.npu_copy.stream_backend import BatchMemcpy, ImmediateStreamOps, StreamBackend
 
 BACKENDS = ("cpu", "stream")
 
@@ -35,7 +30,7 @@ class TransferEngine:
     CPU platform), ``"stream"`` for an accelerator. ``"stream"`` on CPU tensors runs the
     accelerator data path with immediate streams (for tests). ``cpu_threads`` (default
     ``torch.get_num_threads()``), ``asynchronous`` (worker threads, default False: see
-    :class:`~kvtier.npu_copy.backends.CPUBackend`) and ``cpu_native`` (the compiled piece
+    :class:`~kvtier.npu_copy.cpu_backend.CPUBackend`) and ``cpu_native`` (the compiled piece
     copier of :mod:`kvtier.npu_copy.native` when it builds, default True) tune the CPU
     backend. ``batch_memcpy`` plugs a platform batched copy into the stream backend
     (default: :func:`~kvtier.npu_copy.platform_dma.platform_batch_memcpy`, vllm-ascend's

@@ -6,7 +6,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtier.npu_copy.backends import Backend
+    from kvtier.npu_copy.backend import Backend
 
 
 class TransferHandle:

@@ -5,7 +5,7 @@ tensors of source pointers, destination pointers and byte sizes, and a direction
 to device, 1 device to host), it enqueues every copy on the current NPU stream with one
 ``aclrtMemcpyBatchAsync`` (CANN 8.5 and later; one ``aclrtMemcpyAsync`` per copy before).
 :func:`platform_batch_memcpy` finds such an op for a device type and wraps it as a
-:data:`~kvtier.npu_copy.backends.BatchMemcpy`; without one, the stream backend issues one
+:data:`~kvtier.npu_copy.stream_backend.BatchMemcpy`; without one, the stream backend issues one
 ``copy_`` per run of host blocks.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvtier.npu_copy.backends import BatchMemcpy
+from kvtier.npu_copy.stream_backend import BatchMemcpy
 
 logger = logging.getLogger("kvtier.npu_copy")
 

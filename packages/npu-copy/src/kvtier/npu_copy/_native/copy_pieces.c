@@ -8,7 +8,8 @@
  * stores and prefetches the head of the next piece's source while copying the
  * current one, which is what a large memcpy does for one contiguous region.
  *
- * Built at run time by kvtier.npu_copy.native with the system C compiler; when no
+ * Compiled into the platform wheels (hatch_build.py) and, for source installs, at
+ * run time by kvtier.npu_copy.native with the system C compiler; when no
  * compiler is available the backend keeps its pure-Python path.
  */
 #include <stddef.h>
