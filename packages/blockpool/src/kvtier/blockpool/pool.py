@@ -168,51 +168,6 @@ class HostBlockPool:
         self._histogram = [0] * (len(ALLOCATION_BUCKETS) + 1)
         self._events_on = bool(enable_events)
         self._events: list[CacheEvent] = []
-        keys, pins = self._keys, self._load_pins
-
-        def evictable(key: Hashable) -> bool:
-            # The policy knows keys that are storing or cached; storing ones are < 0.
-            return keys[key] >= 0 and key not in pins
-
-        self._evictable = evictable
-        # One Python call per touch instead of two: it is the hottest call per step.
-        self.touch = self.policy.touch  # type: ignore[method-assign]
-        # complete_store and lookup of one key are the next hottest (a store finishing
-        # per chunk; the scheduler asking per block): without events or a filter (both
-        # fixed at construction), closures over the key table save the method binding
-        # and the attribute lookups.
-        table = self._keys
-        if not enable_events:
-            general = HostBlockPool.complete_store
-
-            def complete_store(keys: Sequence[Hashable], success: bool = True) -> None:
-                if success and len(keys) == 1:
-                    key = keys[0]
-                    try:
-                        block = table[key]  # a subscript is cheaper than a .get() call
-                    except KeyError:
-                        return
-                    if block < 0:
-                        table[key] = ~block
-                        self._num_storing -= 1
-                    return
-                general(self, keys, success)
-
-            complete_store.__doc__ = general.__doc__
-            self.complete_store = complete_store  # type: ignore[method-assign]
-        if self._filter is None:
-            general_lookup = HostBlockPool.lookup
-
-            def lookup(keys: Sequence[Hashable]) -> int:
-                if len(keys) == 1:
-                    try:
-                        return 1 if table[keys[0]] >= 0 else 0
-                    except KeyError:
-                        return 0
-                return general_lookup(self, keys)
-
-            lookup.__doc__ = general_lookup.__doc__
-            self.lookup = lookup  # type: ignore[method-assign]
 
     @property
     def enable_events(self) -> bool:
@@ -228,14 +183,13 @@ class HostBlockPool:
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """Number of leading ``keys`` whose blocks are cached and readable now."""
-        if self._filter is not None:  # (no filter: one key goes through the closure of __init__)
+        if self._filter is not None:
             self._filter.record(keys)
-        get = self._keys.get
+        table = self._keys
         hits = 0
         for key in keys:
-            block = get(key, -1)
-            if block < 0:
-                return hits
+            if table.get(key, -1) < 0:  # absent, or being stored (< 0)
+                break
             hits += 1
         return hits
 
@@ -286,6 +240,10 @@ class HostBlockPool:
         self._histogram[min(((n - 1).bit_length() + 1) >> 1, len(ALLOCATION_BUCKETS))] += 1
         return StorePlan(new_keys, blocks, evicted)
 
+    def _is_evictable(self, key: Hashable) -> bool:
+        """Whether the policy may evict ``key`` now: cached (not storing) and not pinned."""
+        return self._keys[key] >= 0 and key not in self._load_pins
+
     def _evict(
         self, n: int, request_keys: Sequence[Hashable] = ()
     ) -> tuple[list[Any], list[int]] | None:
@@ -304,7 +262,7 @@ class HostBlockPool:
 
             victims = self.policy.evict(n, evictable)
         else:
-            victims = self.policy.evict(n, self._evictable)
+            victims = self.policy.evict(n, self._is_evictable)
         if victims is None:
             return None
         blocks = [table.pop(key) for key in victims]
@@ -316,28 +274,21 @@ class HostBlockPool:
         return victims, blocks
 
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> None:
-        """Finish a store: the blocks become readable, or on failure are freed."""
+        """Finish a store: the blocks become readable, or on failure are freed.
+
+        Keys that are not being stored (already finished, or never prepared) are skipped.
+        """
         table = self._keys
-        if success:  # (no events: one key goes through the closure of __init__)
-            get = table.get
-            if self._events_on:
-                stored = [k for k in keys if get(k, 0) < 0]
-                if stored:
-                    self._events.append(CacheEvent("stored", tuple(stored)))
-            done = 0
-            try:  # a subscript is cheaper than a .get() call; a key not stored is rare
-                for key in keys:
-                    block = table[key]
-                    if block < 0:
-                        table[key] = ~block
-                        done += 1
-            except KeyError:  # finish without it: keys already done are skipped now
-                for key in keys:
-                    block = get(key, 0)
-                    if block < 0:
-                        table[key] = ~block
-                        done += 1
-            self._num_storing -= done
+        if success:
+            stored = []
+            for key in keys:
+                block = table.get(key, 0)
+                if block < 0:  # storing: ~block is its block
+                    table[key] = ~block
+                    stored.append(key)
+            self._num_storing -= len(stored)
+            if stored and self._events_on:
+                self._events.append(CacheEvent("stored", tuple(stored)))
             return
         freed: list[int] = []
         for key in keys:
