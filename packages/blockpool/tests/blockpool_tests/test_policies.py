@@ -79,30 +79,26 @@ def test_arc_ghost_lists_are_bounded() -> None:
     assert len(arc.t1) + len(arc.t2) + len(arc.b1) + len(arc.b2) <= 8
 
 
-def test_arc_scan_does_not_pile_up_behind_a_key_that_may_not_go() -> None:
-    """A pinned key at the old end must not make every eviction walk all the keys
-    evicted behind it since the last copy (that is quadratic over a run)."""
-
-    class CountingDict(dict):
-        lookups = 0
-
-        def get(self, key, default=None):  # type: ignore[override]
-            CountingDict.lookups += 1
-            return super().get(key, default)
-
-    class CountingARC(ARCPolicy):
-        _table_type = CountingDict
-
+def test_arc_eviction_behind_a_key_that_may_not_go_stays_linear() -> None:
+    """A pinned key at the old end must not make every eviction walk the keys
+    evicted behind it (that is quadratic over a run)."""
     n = 2000
-    arc = CountingARC(n)
+    arc = ARCPolicy(n)
     arc.insert(list(range(n)))
     pinned = 0
+    asked = 0
+
+    def not_pinned(key: Hashable) -> bool:
+        nonlocal asked
+        asked += 1
+        return key != pinned
+
     for i in range(n, 3 * n):
-        assert arc.evict(1, lambda k: k != pinned) == [i - n + 1]
+        assert arc.evict(1, not_pinned) == [i - n + 1]
         arc.insert([i])
     assert arc.keys_in_eviction_order()[0] == pinned
-    # Linear: a few lookups per eviction (a walk behind the pin each time: ~n*n/2).
-    assert CountingDict.lookups < 20 * 2 * n
+    # The pinned key and the victim per eviction; a walk over the gone keys is ~n*n/2.
+    assert asked == 2 * 2 * n, f"the predicate was asked {asked} times for {2 * n} evictions"
 
 
 def test_arc_in_pool_keeps_reused_prefix_over_a_scan() -> None:
@@ -167,45 +163,12 @@ def test_policy_names_are_case_insensitive(name: str) -> None:
     assert make_policy(name, 4).name == name.lower()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_arc_recency_logs_stay_bounded_without_evictions(batch: int) -> None:
-    """Hits append to T2's log and misses in a batch are logged too: with nothing
-    ever evicted, compaction must still keep each log near its live entries."""
-    from kvtier.blockpool.policies import MIN_LOG_TO_COMPACT
-
-    arc = ARCPolicy(64)
-    arc.insert(list(range(64)))
-    for i in range(20_000):
-        keys = [(i + j) % 64 for j in range(batch)]
-        if batch > 1:
-            keys.append(1000 + i)  # never cached
-        arc.touch(keys)
-    log1, log2 = arc._logs
-    assert len(arc.t2) == 64 and not arc.t1
-    assert len(log2) <= 2 * 64 + MIN_LOG_TO_COMPACT + batch + 1
-    assert len(log1) <= 64
-
-
-def test_arc_logs_stay_bounded_when_promoted_keys_leave_by_remove() -> None:
-    """Keys promoted to T2 by a hit and then removed (a failed store, a clear): no
-    walk ever passes T2's log, so compaction must bound it."""
-    from kvtier.blockpool.policies import MIN_LOG_TO_COMPACT
-
-    arc = ARCPolicy(8)
-    for key in range(20_000):
-        arc.insert([key])
-        arc.touch([key])
-        arc.remove(key)
-    assert not arc.t1 and not arc.t2
-    assert all(len(log) <= MIN_LOG_TO_COMPACT + 1 for log in arc._logs)
-
-
 def test_arc_touch_that_raises_part_way_loses_no_key() -> None:
     arc = ARCPolicy(4)
     arc.insert(["a", "b"])
     with pytest.raises(TypeError):
         arc.touch(["b", []])  # the second key cannot be hashed
-    assert arc.t1 == ["a"] and arc.t2 == ["b"]
+    assert sorted([*arc.t1, *arc.t2]) == ["a", "b"]
     assert arc.evict(2, always) == ["a", "b"], "every key can still be evicted"
 
 
@@ -227,11 +190,21 @@ def test_arc_eviction_walks_only_the_list_it_takes_from() -> None:
     assert len(calls) == 1000, "T1 was walked although the rule never reached it"
 
 
-def test_arc_policy_cannot_be_copied() -> None:
+def test_arc_policy_copies_and_pickles_with_its_state() -> None:
     import copy
+    import pickle
 
     arc = ARCPolicy(4)
-    with pytest.raises(TypeError, match="cannot be copied"):
-        copy.deepcopy(arc)
-    with pytest.raises(TypeError, match="cannot be copied"):
-        copy.copy(arc)
+    arc.insert(list("abcd"))
+    arc.touch(["a"])
+    arc.evict(1, always)  # b -> B1
+    for twin in (copy.copy(arc), copy.deepcopy(arc), pickle.loads(pickle.dumps(arc))):
+        assert (list(twin.t1), list(twin.t2), list(twin.b1), twin.p) == (
+            ["c", "d"],
+            ["a"],
+            ["b"],
+            0.0,
+        ), "a copy lost the policy's state"
+    twin = copy.deepcopy(arc)
+    twin.touch(["c"])
+    assert list(arc.t1) == ["c", "d"], "touching a deep copy changed the original"

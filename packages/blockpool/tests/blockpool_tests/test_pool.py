@@ -228,33 +228,6 @@ def test_owned_blocks_accumulate_per_owner() -> None:
     assert pool.owned_blocks("r") == a + b
 
 
-def test_admission_filter_stores_only_after_threshold_lookups() -> None:
-    pool = HostBlockPool(8, store_threshold=2)
-    plan = pool.prepare_store([k(0)])
-    assert plan is not None and plan.keys == [], "stored before any lookup"
-    pool.lookup([k(0)])
-    plan = pool.prepare_store([k(0)])
-    assert plan is not None and plan.keys == []
-    pool.lookup([k(0)])
-    plan = pool.prepare_store([k(0)])
-    assert plan is not None and plan.keys == [k(0)]
-    assert pool.stats().stores_skipped == 2
-
-
-@pytest.mark.parametrize("threshold", [0, 1])
-def test_threshold_below_two_disables_the_filter(threshold: int) -> None:
-    pool = HostBlockPool(8, store_threshold=threshold)
-    plan = pool.prepare_store([k(0)])
-    assert plan is not None and plan.keys == [k(0)] and pool.filter is None
-
-
-def test_admission_tracker_is_bounded() -> None:
-    pool = HostBlockPool(8, store_threshold=2, max_tracker_size=10)
-    for i in range(100):
-        pool.lookup([k(i)])
-    assert pool.filter is not None and len(pool.filter) == 10
-
-
 def test_events_report_stored_and_removed_keys() -> None:
     pool = HostBlockPool(2, enable_events=True)
     stored(pool, [k(0), k(1)])
@@ -298,9 +271,6 @@ def test_allocation_histogram_buckets_by_powers_of_four() -> None:
     ("kwargs", "key"),
     [
         ({"eviction_policy": "fifo"}, "eviction_policy"),
-        ({"store_threshold": -1}, "store_threshold"),
-        ({"store_threshold": "2"}, "store_threshold"),
-        ({"max_tracker_size": 0}, "max_tracker_size"),
         ({"cache_policy_module_path": "no.such.module:Policy"}, "cache_policy_module_path"),
     ],
 )

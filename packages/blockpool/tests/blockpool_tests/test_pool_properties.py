@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier.blockpool import ARCPolicy, HostBlockPool, LRUPolicy
+from kvtier.blockpool import ARCPolicy, HostBlockPool, LRUPolicy, StoreAdmissionFilter
 
 KEYS = st.lists(st.integers(0, 40).map(lambda i: b"k%d" % i), min_size=1, max_size=6, unique=True)
 
@@ -23,11 +23,10 @@ class PoolMachine(RuleBasedStateMachine):
 
     @initialize(capacity=st.integers(1, 24), threshold=st.sampled_from([0, 0, 2]))
     def setup(self, capacity: int, threshold: int) -> None:
-        self.pool = HostBlockPool(
-            capacity,
-            eviction_policy=self.policy_name,
-            store_threshold=threshold,
-            enable_events=True,
+        self.pool = HostBlockPool(capacity, eviction_policy=self.policy_name, enable_events=True)
+        # Lookups and stores go through an admission filter when there is one.
+        self.store: HostBlockPool | StoreAdmissionFilter = (
+            StoreAdmissionFilter(self.pool, threshold) if threshold else self.pool
         )
         self.storing: list[list[bytes]] = []  # outstanding store batches
         self.loading: list[list[bytes]] = []  # outstanding load batches
@@ -84,12 +83,12 @@ class PoolMachine(RuleBasedStateMachine):
             if key not in self.cached:
                 break
             expected += 1
-        assert self.pool.lookup(keys) == expected
+        assert self.store.lookup(keys) == expected
 
     @rule(keys=KEYS)
     def prepare_store(self, keys: list[bytes]) -> None:
         before = self._snapshot()
-        plan = self.pool.prepare_store(keys)
+        plan = self.store.prepare_store(keys)
         if plan is None:
             return
         self._check_victims(plan.evicted, set(keys), before)

@@ -53,12 +53,29 @@ def test_a_failed_store_is_a_miss() -> None:
 
 
 def test_store_threshold_counts_offers() -> None:
-    mgr = TierManager(HostBlockPool(4, store_threshold=2))
+    mgr = TierManager(HostBlockPool(4), store_threshold=2)
     first = mgr.prepare_store([b"a"])
     assert first is not None and first[0] == [], "first offer only counts"
     second = mgr.prepare_store([b"a"])
     assert second is not None and second[0] == [b"a"]
-    assert mgr.pool.stores_skipped == 1
+    assert mgr.admission is not None and mgr.admission.stores_skipped == 1
+
+
+def test_store_threshold_counts_survive_a_cache_reset() -> None:
+    mgr = TierManager(HostBlockPool(4), store_threshold=2)
+    mgr.prepare_store([b"a"])
+    new_pool = HostBlockPool(4)
+    mgr.reset(new_pool)
+    plan = mgr.prepare_store([b"a"])
+    assert plan is not None and plan[0] == [b"a"], "the first offer was forgotten"
+    assert new_pool.is_storing(b"a"), "the store went to the old pool"
+    assert mgr.admission is not None and mgr.admission.stores_skipped == 1
+
+
+def test_store_threshold_below_two_stores_every_offer() -> None:
+    mgr = TierManager(HostBlockPool(4), store_threshold=1)
+    plan = mgr.prepare_store([b"a"])
+    assert plan is not None and plan[0] == [b"a"] and mgr.admission is None
 
 
 def test_stored_blocks_are_written_through_and_promoted_back(make_tier) -> None:
@@ -154,7 +171,7 @@ def test_reset_keeps_files_and_empties_the_host_tier(make_tier) -> None:
 def test_every_emitted_metric_is_declared(make_tier) -> None:
     region = Region(2)
     tier = make_tier(region)
-    mgr = TierManager(HostBlockPool(2, store_threshold=0), [tier], max_write_backlog=64)
+    mgr = TierManager(HostBlockPool(2), [tier], max_write_backlog=64)
     store(mgr, region, [b"a"])
     settle(mgr)
     for tiering in (False, True):
@@ -173,6 +190,23 @@ def test_counters_are_emitted_as_increments() -> None:
     first = {n: v for k, n, v, _ in em.collect() if k == "counter"}
     second = {n: v for k, n, v, _ in em.collect() if k == "counter"}
     assert first[metrics.HOST_QUERIES] == 1 and second[metrics.HOST_QUERIES] == 0
+
+
+def test_stores_skipped_is_emitted_only_with_a_filter_and_survives_a_reset() -> None:
+    assert metrics.STORES_SKIPPED not in {
+        n
+        for _, n, _, _ in metrics.MetricsEmitter(
+            TierManager(HostBlockPool(2)), tiering=False
+        ).collect()
+    }, "stores_skipped emitted without store_threshold"
+    mgr = TierManager(HostBlockPool(2), store_threshold=2)
+    em = metrics.MetricsEmitter(mgr, tiering=False)
+    mgr.prepare_store([b"a", b"b"])
+    first = {n: v for k, n, v, _ in em.collect() if k == "counter"}
+    mgr.reset(HostBlockPool(2))
+    mgr.prepare_store([b"c"])
+    second = {n: v for k, n, v, _ in em.collect() if k == "counter"}
+    assert first[metrics.STORES_SKIPPED] == 2 and second[metrics.STORES_SKIPPED] == 1
 
 
 def test_usage_gauges_follow_the_excerpts_meanings() -> None:

@@ -243,3 +243,23 @@ def test_manager_through_vllms_interface(model: Path, tmp_path: Path) -> None:
     events = list(mgr.take_events())
     assert events and events[0].removed is False
     mgr.shutdown()
+
+
+def test_store_threshold_filters_the_cpu_specs_stores(model: Path) -> None:
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.tiering_spec import CPUOffloadingSpec
+
+    spec = make_spec(
+        CPUOffloadingSpec, model, {"cpu_bytes_to_use": 4 * 65536, "store_threshold": 2}
+    )
+    mgr = spec.get_manager()
+    ctx = ReqContext(req_id="r")
+    key = b"k" * 36
+    first = mgr.prepare_store([key], ctx)
+    assert first is not None and first.keys_to_store == [], "stored on the first offer"
+    second = mgr.prepare_store([key], ctx)
+    assert second is not None and second.keys_to_store == [key], "not stored on the second"
+    skipped = [v for _, name, v, _ in mgr.collect_metrics() if name.endswith("stores_skipped")]
+    assert skipped == [1]
+    mgr.shutdown()

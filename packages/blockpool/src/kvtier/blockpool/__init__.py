@@ -4,6 +4,7 @@ No vLLM import anywhere in this package: it is plain Python and torch.
 """
 
 from kvtier.blockpool.__about__ import __version__
+from kvtier.blockpool.admission import DEFAULT_MAX_TRACKER_SIZE, StoreAdmissionFilter
 from kvtier.blockpool.allocator import RunAllocator
 from kvtier.blockpool.budget import (
     PER_RANK_KEY,
@@ -21,7 +22,6 @@ from kvtier.blockpool.pool import (
     CacheEvent,
     HostBlockPool,
     PoolStats,
-    StoreAdmissionFilter,
     StorePlan,
 )
 from kvtier.blockpool.region import (
@@ -35,6 +35,7 @@ from kvtier.blockpool.region import (
 
 __all__ = [
     "ALLOCATION_BUCKETS",
+    "DEFAULT_MAX_TRACKER_SIZE",
     "PER_RANK_KEY",
     "TOTAL_KEY",
     "ARCPolicy",

@@ -19,7 +19,6 @@ Keys are any hashable values (vLLM's block hashes are ``bytes``). Units: blocks.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -39,7 +38,7 @@ class StorePlan(NamedTuple):
     """What ``prepare_store`` decided.
 
     Attributes:
-        keys: the keys to write, in request order (already-present and filtered keys dropped).
+        keys: the keys to write, in request order (keys already present dropped).
         block_ids: host block for each of ``keys``; write them, then ``complete_store(keys)``.
         evicted: keys evicted to make room (their blocks are reused).
     """
@@ -68,7 +67,6 @@ class PoolStats:
     owned: int
     read_pinned: int
     write_pinned: int
-    stores_skipped: int
     allocation_histogram: list[int] = field(default_factory=list)
 
     @property
@@ -84,38 +82,6 @@ class PoolStats:
         return self.write_pinned / self.capacity if self.capacity else 0.0
 
 
-class StoreAdmissionFilter:
-    """Admit a key for storing only once ``lookup`` has seen it ``threshold`` times.
-
-    Counts live in an LRU table of at most ``max_tracker_size`` keys, so the
-    tracker's memory is bounded whatever the traffic. A threshold below 2 disables it.
-    """
-
-    __slots__ = ("_counts", "max_tracker_size", "threshold")
-
-    def __init__(self, threshold: int, max_tracker_size: int) -> None:
-        self.threshold = threshold
-        self.max_tracker_size = max_tracker_size
-        self._counts: OrderedDict[Hashable, int] = OrderedDict()
-
-    def record(self, keys: Sequence[Hashable]) -> None:
-        counts = self._counts
-        for key in keys:
-            n = counts.pop(key, 0)
-            counts[key] = n + 1
-        while len(counts) > self.max_tracker_size:
-            counts.popitem(last=False)
-
-    def admits(self, key: Hashable) -> bool:
-        return self._counts.get(key, 0) >= self.threshold
-
-    def forget(self, key: Hashable) -> None:
-        self._counts.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._counts)
-
-
 class HostBlockPool:
     """A fixed set of ``num_blocks`` host blocks with a keyed cache and request-owned blocks.
 
@@ -123,9 +89,9 @@ class HostBlockPool:
         num_blocks: capacity in blocks (see ``resolve_budget``).
         eviction_policy: ``"lru"`` or ``"arc"``.
         cache_policy_module_path: ``"pkg.module:Class"`` of a custom policy (overrides the name).
-        store_threshold: lookups a key needs before it may be stored; below 2 disables it.
-        max_tracker_size: keys the admission filter remembers.
         enable_events: record ``CacheEvent``s for ``take_events``.
+
+    To store only keys asked for often enough, wrap the pool in a ``StoreAdmissionFilter``.
     """
 
     def __init__(
@@ -134,13 +100,9 @@ class HostBlockPool:
         *,
         eviction_policy: str = "lru",
         cache_policy_module_path: str | None = None,
-        store_threshold: int = 0,
-        max_tracker_size: int = 64_000,
         enable_events: bool = False,
     ) -> None:
         self.num_blocks = require_positive_int("num_blocks", num_blocks)
-        store_threshold = require_positive_int("store_threshold", store_threshold, allow_zero=True)
-        max_tracker_size = require_positive_int("max_tracker_size", max_tracker_size)
         self.policy: EvictionPolicy = make_policy(
             eviction_policy, self.num_blocks, cache_policy_module_path
         )
@@ -159,95 +121,36 @@ class HostBlockPool:
         self._owned_write_pins: dict[int, int] = {}
         self._owned: dict[Hashable, list[int]] = {}
         self._num_owned = 0
-        self.stores_skipped = 0
-        self._filter = (
-            StoreAdmissionFilter(store_threshold, max_tracker_size)
-            if store_threshold >= 2
-            else None
-        )
         self._histogram = [0] * (len(ALLOCATION_BUCKETS) + 1)
         self._events_on = bool(enable_events)
         self._events: list[CacheEvent] = []
-        keys, pins = self._keys, self._load_pins
-
-        def evictable(key: Hashable) -> bool:
-            # The policy knows keys that are storing or cached; storing ones are < 0.
-            return keys[key] >= 0 and key not in pins
-
-        self._evictable = evictable
-        # One Python call per touch instead of two: it is the hottest call per step.
-        self.touch = self.policy.touch  # type: ignore[method-assign]
-        # complete_store and lookup of one key are the next hottest (a store finishing
-        # per chunk; the scheduler asking per block): without events or a filter (both
-        # fixed at construction), closures over the key table save the method binding
-        # and the attribute lookups.
-        table = self._keys
-        if not enable_events:
-            general = HostBlockPool.complete_store
-
-            def complete_store(keys: Sequence[Hashable], success: bool = True) -> None:
-                if success and len(keys) == 1:
-                    key = keys[0]
-                    try:
-                        block = table[key]  # a subscript is cheaper than a .get() call
-                    except KeyError:
-                        return
-                    if block < 0:
-                        table[key] = ~block
-                        self._num_storing -= 1
-                    return
-                general(self, keys, success)
-
-            complete_store.__doc__ = general.__doc__
-            self.complete_store = complete_store  # type: ignore[method-assign]
-        if self._filter is None:
-            general_lookup = HostBlockPool.lookup
-
-            def lookup(keys: Sequence[Hashable]) -> int:
-                if len(keys) == 1:
-                    try:
-                        return 1 if table[keys[0]] >= 0 else 0
-                    except KeyError:
-                        return 0
-                return general_lookup(self, keys)
-
-            lookup.__doc__ = general_lookup.__doc__
-            self.lookup = lookup  # type: ignore[method-assign]
 
     @property
     def enable_events(self) -> bool:
         """Whether cache events are recorded (fixed at construction)."""
         return self._events_on
 
-    @property
-    def filter(self) -> StoreAdmissionFilter | None:
-        """The ``store_threshold`` admission filter, or ``None`` (fixed at construction)."""
-        return self._filter
-
     # ------------------------------------------------------------------ keyed cache
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """Number of leading ``keys`` whose blocks are cached and readable now."""
-        if self._filter is not None:  # (no filter: one key goes through the closure of __init__)
-            self._filter.record(keys)
-        get = self._keys.get
+        table = self._keys
         hits = 0
         for key in keys:
-            block = get(key, -1)
-            if block < 0:
-                return hits
+            if table.get(key, -1) < 0:  # absent, or being stored (< 0)
+                break
             hits += 1
         return hits
 
     def contains(self, key: Hashable) -> bool:
-        """Whether ``key`` is cached and readable (no side effects on order or filter)."""
+        """Whether ``key`` is cached and readable (no side effect on eviction order)."""
         return self._keys.get(key, -1) >= 0
 
     def is_storing(self, key: Hashable) -> bool:
         return self._keys.get(key, 0) < 0
 
     def prepare_store(self, keys: Sequence[Hashable]) -> StorePlan | None:
-        """Reserve blocks for the ``keys`` not yet present and admitted by the filter.
+        """Reserve blocks for the ``keys`` not yet present (cached or storing).
 
         Evicts unpinned cached keys (never one of ``keys``) when free blocks are
         short. Returns ``None``, changing nothing, when room cannot be made.
@@ -258,11 +161,6 @@ class HostBlockPool:
         present = keys if len(new_keys) < len(keys) else ()
         if len(new_keys) > 1 and len(set(new_keys)) < len(new_keys):
             new_keys = list(dict.fromkeys(new_keys))  # a key listed twice is stored once
-        flt = self._filter
-        if flt is not None and new_keys:
-            admitted = [k for k in new_keys if flt.admits(k)]
-            self.stores_skipped += len(new_keys) - len(admitted)
-            new_keys = admitted
         n = len(new_keys)
         if not n:
             return StorePlan(new_keys, [], [])
@@ -286,6 +184,10 @@ class HostBlockPool:
         self._histogram[min(((n - 1).bit_length() + 1) >> 1, len(ALLOCATION_BUCKETS))] += 1
         return StorePlan(new_keys, blocks, evicted)
 
+    def _is_evictable(self, key: Hashable) -> bool:
+        """Whether the policy may evict ``key`` now: cached (not storing) and not pinned."""
+        return self._keys[key] >= 0 and key not in self._load_pins
+
     def _evict(
         self, n: int, request_keys: Sequence[Hashable] = ()
     ) -> tuple[list[Any], list[int]] | None:
@@ -304,7 +206,7 @@ class HostBlockPool:
 
             victims = self.policy.evict(n, evictable)
         else:
-            victims = self.policy.evict(n, self._evictable)
+            victims = self.policy.evict(n, self._is_evictable)
         if victims is None:
             return None
         blocks = [table.pop(key) for key in victims]
@@ -316,28 +218,21 @@ class HostBlockPool:
         return victims, blocks
 
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> None:
-        """Finish a store: the blocks become readable, or on failure are freed."""
+        """Finish a store: the blocks become readable, or on failure are freed.
+
+        Keys that are not being stored (already finished, or never prepared) are skipped.
+        """
         table = self._keys
-        if success:  # (no events: one key goes through the closure of __init__)
-            get = table.get
-            if self._events_on:
-                stored = [k for k in keys if get(k, 0) < 0]
-                if stored:
-                    self._events.append(CacheEvent("stored", tuple(stored)))
-            done = 0
-            try:  # a subscript is cheaper than a .get() call; a key not stored is rare
-                for key in keys:
-                    block = table[key]
-                    if block < 0:
-                        table[key] = ~block
-                        done += 1
-            except KeyError:  # finish without it: keys already done are skipped now
-                for key in keys:
-                    block = get(key, 0)
-                    if block < 0:
-                        table[key] = ~block
-                        done += 1
-            self._num_storing -= done
+        if success:
+            stored = []
+            for key in keys:
+                block = table.get(key, 0)
+                if block < 0:  # storing: ~block is its block
+                    table[key] = ~block
+                    stored.append(key)
+            self._num_storing -= len(stored)
+            if stored and self._events_on:
+                self._events.append(CacheEvent("stored", tuple(stored)))
             return
         freed: list[int] = []
         for key in keys:
@@ -553,7 +448,6 @@ class HostBlockPool:
             owned=self._num_owned,
             read_pinned=len(self._load_pins) + len(self._owned_read_pins),
             write_pinned=self._num_storing + len(self._owned_write_pins),
-            stores_skipped=self.stores_skipped,
             allocation_histogram=list(self._histogram),
         )
 

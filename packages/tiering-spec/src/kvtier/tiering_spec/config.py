@@ -16,14 +16,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.blockpool import PER_RANK_KEY, TOTAL_KEY, require_bool, require_positive_int
+from kvtier.blockpool import (
+    DEFAULT_MAX_TRACKER_SIZE,
+    PER_RANK_KEY,
+    TOTAL_KEY,
+    require_bool,
+    require_positive_int,
+)
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
 EVICTION_POLICIES = ("lru", "arc")
 TIER_TYPES = ("fs", "mooncake")
 DEFAULT_IO_THREADS = 16  # vLLM's fs tier default, so a copied configuration behaves alike
-DEFAULT_MAX_TRACKER_SIZE = 64_000
 MAX_IO_THREADS = 256
 # Top-level keys of kv_connector_extra_config that kvtier's specs or vLLM's
 # OffloadingConnector read; any other is warned about by name.

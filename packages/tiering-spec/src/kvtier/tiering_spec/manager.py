@@ -25,7 +25,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.blockpool import HostBlockPool, PoolStats
+from kvtier.blockpool import (
+    DEFAULT_MAX_TRACKER_SIZE,
+    HostBlockPool,
+    PoolStats,
+    StoreAdmissionFilter,
+)
 from kvtier.tiering_spec.fsformat import key_digest
 from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.storetier import StoreTier
@@ -74,6 +79,9 @@ class TierManager:
         fs_tiers: secondary tiers, searched in order on a host miss.
         max_write_backlog: host blocks that may be pinned waiting for fs writes;
             beyond it new write-throughs are dropped (counted). Default: 3/4 of the pool.
+        store_threshold: offers of a key before it is stored; 2 or more puts the
+            pool behind a ``StoreAdmissionFilter`` (``admission``), below 2 stores all.
+        max_tracker_size: keys the admission filter remembers.
     """
 
     def __init__(
@@ -82,8 +90,15 @@ class TierManager:
         fs_tiers: Sequence[SecondaryTier] = (),
         *,
         max_write_backlog: int | None = None,
+        store_threshold: int = 0,
+        max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE,
     ) -> None:
         self.pool = pool
+        self.admission = (
+            StoreAdmissionFilter(pool, store_threshold, max_tracker_size)
+            if store_threshold >= 2
+            else None
+        )
         self.fs_tiers = list(fs_tiers)
         self.max_write_backlog = (
             max_write_backlog if max_write_backlog is not None else max(1, pool.num_blocks * 3 // 4)
@@ -189,11 +204,12 @@ class TierManager:
         """Reserve host blocks for the new ``keys``: (keys to store, their blocks, evicted
         keys), or None when no room can be made."""
         self.poll()
-        pool = self.pool
-        if pool.filter is not None:
+        if self.admission is None:
+            plan = self.pool.prepare_store(keys)
+        else:
             # vLLM 0.32 counts offers for storage, not lookups, toward store_threshold.
-            pool.filter.record(keys)
-        plan = pool.prepare_store(keys)
+            self.admission.record(keys)
+            plan = self.admission.prepare_store(keys)
         if plan is None:
             return None
         if plan.keys:
@@ -306,6 +322,9 @@ class TierManager:
             self._load_sources.clear()
             return
         self.pool = new_pool
+        if self.admission is not None:
+            # As in vLLM, a reset keeps the offer counts (and stores_skipped grows on).
+            self.admission.pool = new_pool
         self._fresh.clear()
         self._promoting.clear()
         self._write_pins.clear()

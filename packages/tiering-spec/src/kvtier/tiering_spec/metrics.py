@@ -268,8 +268,9 @@ class MetricsEmitter:
             self._delta(HOST_STORE_FAILURES, (), c.store_failures),
             (),
         )
-        if core.pool.filter is not None:
-            yield "counter", STORES_SKIPPED, self._delta(STORES_SKIPPED, (), st.stores_skipped), ()
+        if core.admission is not None:
+            skipped = core.admission.stores_skipped
+            yield "counter", STORES_SKIPPED, self._delta(STORES_SKIPPED, (), skipped), ()
         if not self.tiering:
             return
         yield (

@@ -368,8 +368,6 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
             self.num_chunks,
             eviction_policy=s.eviction_policy,
             cache_policy_module_path=s.cache_policy_module_path,
-            store_threshold=s.store_threshold,
-            max_tracker_size=s.max_tracker_size,
             enable_events=self.kv_events_config.enable_kv_cache_events,
         )
 
@@ -598,7 +596,13 @@ class KvtierOffloadingManager(OffloadingManager):
         tiers = (
             spec.build_fs_tiers(self._regions) if isinstance(spec, TieringOffloadingSpec) else []
         )
-        self.core = TierManager(spec.new_pool(), tiers)
+        s = spec.settings
+        self.core = TierManager(
+            spec.new_pool(),
+            tiers,
+            store_threshold=s.store_threshold,
+            max_tracker_size=s.max_tracker_size,
+        )
         self._metrics = m.MetricsEmitter(self.core, tiering=spec.TIERING)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
