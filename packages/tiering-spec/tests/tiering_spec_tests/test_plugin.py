@@ -263,3 +263,40 @@ def test_store_threshold_filters_the_cpu_specs_stores(model: Path) -> None:
     skipped = [v for _, name, v, _ in mgr.collect_metrics() if name.endswith("stores_skipped")]
     assert skipped == [1]
     mgr.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_finished_requests_loads_keep_its_prefix_over_older_stores(
+    model: Path, policy: str
+) -> None:
+    # vLLM 0.32 and later never call touch: the manager applies a request's reuse when
+    # it finishes. Without that, a hot prefix is evicted as if it had never been used.
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.tiering_spec import CPUOffloadingSpec
+
+    spec = make_spec(
+        CPUOffloadingSpec, model, {"cpu_bytes_to_use": 3 * 65536, "eviction_policy": policy}
+    )
+    mgr = spec.get_manager()
+    hot, b, c, d = (bytes([i]) * 36 for i in range(4))
+
+    def store(key: bytes, req: str) -> None:
+        out = mgr.prepare_store([key], ReqContext(req_id=req))
+        assert out is not None and out.keys_to_store == [key], f"{key[:1]!r} not stored"
+        mgr.complete_store([key], ReqContext(req_id=req))
+
+    for i, key in enumerate((hot, b, c)):
+        store(key, f"w{i}")
+    reader = ReqContext(req_id="reader")
+    mgr.prepare_load([hot], reader)
+    mgr.complete_load([hot], reader)
+    if hasattr(reader, "get_state"):
+        mgr.on_request_finished(reader)
+    else:  # vLLM before 0.32 touches the keys a request uses itself
+        mgr.touch([hot], reader)
+    out = mgr.prepare_store([d], ReqContext(req_id="w3"))
+    assert out is not None and list(out.evicted_keys) == [b], (
+        f"{policy}: evicted {[k[:1] for k in out.evicted_keys]}, expected the oldest unused"
+    )
+    mgr.shutdown()

@@ -587,6 +587,18 @@ def mooncake_connector(cfg: MooncakeTierConfig, where: str) -> Callable[[], Stor
     return connect
 
 
+class _RequestReuse:
+    """The cached keys one request used (loaded, or offered for storing again), in the
+    order first seen: vLLM 0.32 and later never call ``touch`` and leave recency to the
+    manager when the request finishes; older releases touch keys themselves."""
+
+    __slots__ = ("finished", "keys")
+
+    def __init__(self) -> None:
+        self.keys: dict[OffloadKey, None] = {}
+        self.finished = False
+
+
 class KvtierOffloadingManager(OffloadingManager):
     """vLLM's ``OffloadingManager`` over :class:`TierManager`."""
 
@@ -614,7 +626,38 @@ class KvtierOffloadingManager(OffloadingManager):
         return compat.cache_hit_source(self.core.load_source(key))
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return CPULoadStoreSpec(self.core.prepare_load(list(keys)))
+        blocks = self.core.prepare_load(list(keys))
+        self._note_reuse(req_context, keys)
+        return CPULoadStoreSpec(blocks)
+
+    def _note_reuse(self, req_context: ReqContext, keys: Iterable[OffloadKey]) -> None:
+        """Remember ``keys`` as used by the request, for :meth:`on_request_finished`."""
+        get_state = getattr(req_context, "get_state", None)
+        if get_state is None:  # vLLM before 0.32: the connector calls touch itself
+            return
+        state = get_state(_RequestReuse)
+        if state is None:
+            state = _RequestReuse()
+            req_context.set_state(state)
+        if not state.finished:
+            for key in keys:
+                state.keys.setdefault(key, None)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Make the keys the request used the most recent, its prefix's head first."""
+        get_state = getattr(req_context, "get_state", None)
+        state = get_state(_RequestReuse) if get_state is not None else None
+        if state is None or state.finished:
+            return
+        state.finished = True
+        keys = list(state.keys)
+        position = getattr(req_context, "get_offload_key_position", None)
+        if position is not None:
+            ends = [position(key) for key in keys]
+            if None not in ends:  # the scheduler knows each key's place in the prompt
+                keys = [k for _, k in sorted(zip(ends, keys), key=lambda e: e[0])]
+        if keys:
+            self.core.touch(keys)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.core.touch(list(keys))
@@ -625,7 +668,10 @@ class KvtierOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        plan = self.core.prepare_store(list(keys))
+        keys = list(keys)
+        pool = self.core.pool
+        self._note_reuse(req_context, [k for k in keys if pool.contains(k)])
+        plan = self.core.prepare_store(keys)
         if plan is None:
             return None
         to_store, blocks, evicted = plan
