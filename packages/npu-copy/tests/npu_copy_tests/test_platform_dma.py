@@ -17,8 +17,8 @@ from kvtier.npu_copy.platform_dma import (
     pointer_batch_memcpy,
 )
 
+from .copy_support import host_for, round_trip
 from .layouts import NUM_BLOCKS, make_layout
-from .test_roundtrip import host_for, round_trip
 
 CALLS: list[tuple[int, int]] = []  # (number of copies, direction) per call
 

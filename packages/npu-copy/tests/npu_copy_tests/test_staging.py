@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier.npu_copy import KVLayout, TransferEngine
 
+from .copy_support import host_for, round_trip
 from .layouts import NUM_BLOCKS, make_layout
-from .test_roundtrip import host_for, round_trip
 
 
 def block_bytes(case: Any) -> int:
