@@ -97,16 +97,84 @@ class RecomputeWorkerMetadata(KVConnectorWorkerMetadata):
 # ---------------------------------------------------------------------- helpers
 
 
+def _layer_page_bytes(kv_cache_config: Any, layer: str) -> int | None:
+    """Bytes of one block of ``layer`` (its KV cache group's page, padding included)."""
+    for group in kv_cache_config.kv_cache_groups:
+        if layer in group.layer_names:
+            spec = group.kv_cache_spec
+            spec = getattr(spec, "kv_cache_specs", {}).get(layer, spec)
+            page = getattr(spec, "page_size_bytes", None)
+            return int(page) if page else None
+    return None
+
+
+def block_placements(kv_cache_config: Any) -> list[tuple[str, int, int, int]] | None:
+    """Where each layer's blocks lie in vLLM's KV cache allocation, in bytes: per layer
+    ``(name, offset of block 0, distance between blocks, bytes of one block)``.
+
+    vLLM releases whose ``KVCacheTensor`` has a ``layer_stride`` place every tensor in
+    one allocation, and KV cache groups overlay each other there (a block id belongs to
+    one group at a time): a hybrid model's linear-attention layers get that whole
+    allocation as their KV cache, so their blocks can only be found from here. ``None``
+    on releases where each ``KVCacheTensor`` is an allocation of its own.
+    """
+    tensors = [
+        t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)
+    ]
+    if not tensors or not all(hasattr(t, "layer_stride") for t in tensors):
+        return None
+    out = []
+    for t in tensors:
+        layer_stride, block_stride = int(t.layer_stride), int(t.block_stride)
+        for i, layer in enumerate(t.layers):
+            page = _layer_page_bytes(kv_cache_config, layer)
+            if page is None:
+                page = min(s for s in (layer_stride, block_stride) if s > 0)
+            out.append((str(layer), int(t.offset) + i * layer_stride, block_stride, page))
+    return out
+
+
 def device_block_bytes(kv_cache_config: Any) -> int:
     """Bytes of one device block over every KV tensor of a rank (one host block)."""
+    num_blocks = int(kv_cache_config.num_blocks)
+    placements = block_placements(kv_cache_config)
+    if placements is not None and num_blocks > 0:
+        # Overlaid groups share their bytes: count the union of block 0's runs.
+        total, end = 0, -1
+        for start, stop in sorted((p[1], p[1] + p[3]) for p in placements):
+            total += max(0, stop - max(start, end))
+            end = max(end, stop)
+        return total
     tensors = [
         t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)
     ]
     total = sum(int(t.size) for t in tensors)
-    num_blocks = int(kv_cache_config.num_blocks)
     if not tensors or num_blocks <= 0:
         raise ValueError("the KV cache config has no device KV tensors to offload")
     return total // num_blocks
+
+
+def block_views(kv_caches: dict[str, Any], kv_cache_config: Any) -> dict[str, Any]:
+    """The KV tensors to register with the copy engine: per layer a ``[num_blocks,
+    page bytes]`` uint8 view placed as :func:`block_placements` says, or ``kv_caches``
+    as vLLM gave them on releases without placements."""
+    placements = block_placements(kv_cache_config)
+    if placements is None:
+        return kv_caches
+    num_blocks = int(kv_cache_config.num_blocks)
+    views: dict[str, Any] = {}
+    for name, start, stride, page in placements:
+        entry = kv_caches.get(name)
+        if isinstance(entry, (list, tuple)):
+            entry = entry[0] if entry else None
+        if not isinstance(entry, torch.Tensor):
+            continue
+        # Every layer's tensor is a view of the one allocation, which starts its storage.
+        storage = entry.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=entry.device)
+        flat.set_(storage, 0, (storage.nbytes(),), (1,))
+        views[name] = flat.as_strided((num_blocks, page), (stride, 1), start)
+    return views
 
 
 def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
@@ -247,9 +315,18 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 budget.describe(),
             )
             if not self.scheduler.supported:
+                kinds = sorted(
+                    {
+                        type(g.kv_cache_spec).__name__
+                        for g, kv in zip(kv_cache_config.kv_cache_groups, self._groups)
+                        if not kv.supported
+                    }
+                )
                 logger.warning(
-                    "kvtier: this model has KV cache groups that are not paged attention; "
-                    "preempted requests will be recomputed as usual"
+                    "kvtier: this model has KV cache groups that are not paged attention "
+                    "(%s, such as a linear-attention or Mamba state); kvtier does not keep "
+                    "them, so vLLM recomputes every preempted request",
+                    ", ".join(kinds),
                 )
             if self.config.enable_offload_prefix_caching:
                 self._hash_block_size = _hash_block_size(vllm_config, kv_cache_config)
@@ -279,7 +356,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker is not None:
-            self.worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+            views = block_views(kv_caches, self._kv_cache_config)
+            self.worker.register_kv_caches(views, self._kv_cache_config.num_blocks)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker is not None and isinstance(

@@ -579,7 +579,10 @@ class RecomputeOffloadScheduler:
 
     def _count_fallback(self, req_id: str, reason: Fallback, detail: str) -> None:
         self.stats.fallbacks[reason.value] += 1
-        if reason == Fallback.CAPACITY:
+        if reason == Fallback.UNSUPPORTED:
+            # Said once at start-up; counted per preemption.
+            self.log.debug("Recompute offload skipped for request %s: %s", req_id, detail)
+        elif reason == Fallback.CAPACITY:
             self.log.warning(
                 "Recompute offload skipped for request %s: %s; it will be recomputed. "
                 "Raise cpu_bytes_to_use_per_rank if this repeats.",
