@@ -62,7 +62,7 @@ from kvtier.recompute_connector.metrics import (
     worker_stats,
 )
 from kvtier.recompute_connector.protocol import StepPlan, WorkerReport
-from kvtier.recompute_connector.state import KVGroup, RecomputeOffloadScheduler
+from kvtier.recompute_connector.state import Fallback, KVGroup, RecomputeOffloadScheduler
 from kvtier.recompute_connector.worker import RecomputeOffloadWorker
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvtier.recompute_connector")
 
 CONNECTOR_NAME = "RecomputeCPUOffloadConnector"
+# Steps a resumed hybrid request may wait for device room for its state blocks before
+# it is recomputed instead.
+ROOM_WAIT_STEPS = 1000
 
 
 class RecomputeConnectorMetadata(KVConnectorMetadata):
@@ -178,13 +181,28 @@ def block_views(kv_caches: dict[str, Any], kv_cache_config: Any) -> dict[str, An
 
 
 def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
+    """The KV cache groups as the scheduler side sees them.
+
+    A Mamba group (linear attention's convolution and recurrent state) is kept only in
+    vLLM's ``mamba_cache_mode`` ``"align"`` without speculative blocks: there the state
+    after a request's last computed token is the block of that token, so one block
+    per request restores it. Other modes keep it elsewhere: recomputed.
+    """
     groups = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         kind = type(spec).__name__
         window = getattr(spec, "sliding_window", None)
+        if "Mamba" in kind:
+            state = (
+                getattr(spec, "mamba_cache_mode", None) == "align"
+                and not getattr(spec, "num_speculative_blocks", 0)
+                and not getattr(spec, "num_prefill_checkpoint_blocks", 0)
+            )
+            groups.append(KVGroup(int(spec.block_size), None, state, state=state))
+            continue
         supported = kind in ("FullAttentionSpec", "SlidingWindowSpec") or (
-            hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size") and "Mamba" not in kind
+            hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size")
         )
         groups.append(KVGroup(int(spec.block_size), int(window) if window else None, supported))
     return groups
@@ -291,12 +309,14 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: RecomputeOffloadScheduler | None = None
         self.worker: RecomputeOffloadWorker | None = None
         self._local_hits: dict[str, int] = {}
+        self._room_waits: dict[str, int] = {}  # request -> steps waited for device room
         # Prefix sharing: the requests the scheduler admitted (for their block hashes).
         self._requests: dict[str, Any] = {}
         self._hash_block_size = 0
         self._groups = kv_groups(kv_cache_config)
         self._stats_every_step = not vllm_compat.binds_kv_cache_manager()
-        self._refresh_every_step = any(g.sliding_window for g in self._groups)
+        # Sliding-window and state groups retire blocks while a request runs.
+        self._refresh_every_step = any(g.sliding_window or g.state for g in self._groups)
         if role == KVConnectorRole.SCHEDULER:
             budget = self.config.resolve_budget(self.block_bytes)
             self.scheduler = RecomputeOffloadScheduler(
@@ -323,9 +343,10 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     }
                 )
                 logger.warning(
-                    "kvtier: this model has KV cache groups that are not paged attention "
-                    "(%s, such as a linear-attention or Mamba state); kvtier does not keep "
-                    "them, so vLLM recomputes every preempted request",
+                    "kvtier: this model has KV cache groups kvtier cannot keep (%s: a "
+                    "linear-attention or Mamba state outside vLLM's mamba_cache_mode "
+                    "'align', or with speculative blocks), so vLLM recomputes every "
+                    "preempted request",
                     ", ".join(kinds),
                 )
             if self.config.enable_offload_prefix_caching:
@@ -384,7 +405,20 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.load_errors() if self.worker is not None else set()
+        if self.worker is None:
+            return set()
+        errors = self.worker.load_errors()
+        if errors and len(self._groups) > 1:
+            # vLLM raises on block-level load failures with several KV cache groups:
+            # restores are verified before they are claimed, so this is a copy failure.
+            logger.error(
+                "kvtier: a restore of %d device blocks failed on a model with several KV "
+                "cache groups, which vLLM cannot recompute; the requests using them may "
+                "generate wrong tokens",
+                len(errors),
+            )
+            return set()
+        return errors
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker is None:
@@ -409,7 +443,50 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         tokens = self.scheduler.restorable_tokens(
             request.request_id, request.num_tokens, num_computed_tokens
         )
+        if not tokens:
+            return tokens, False
+        req_id = request.request_id
+        if self.config.fail_loads and len(self._groups) > 1:
+            # Test-only: with several KV cache groups a failed restore must not reach
+            # vLLM as failed blocks, so the injected failure is caught before the claim.
+            self.scheduler.refuse_restore(req_id, Fallback.LOAD_FAILED, "the restore would fail")
+            return 0, False
+        extra = self.scheduler.uncounted_state_blocks(
+            num_computed_tokens + tokens, request.num_tokens
+        )
+        if extra:
+            room = self._room_for(num_computed_tokens, request.num_tokens, extra)
+            waited = self._room_waits.get(req_id, 0) + 1
+            if room is None or (not room and waited > ROOM_WAIT_STEPS):
+                self._room_waits.pop(req_id, None)
+                self.scheduler.refuse_restore(
+                    req_id, Fallback.CAPACITY, "no device room for its state blocks"
+                )
+                return 0, False
+            if not room:
+                self._room_waits[req_id] = waited
+                return None, False  # ask again next step
+        self._room_waits.pop(req_id, None)
         return tokens, False
+
+    def _room_for(self, local_tokens: int, num_tokens: int, extra: int) -> bool | None:
+        """Whether vLLM's free device blocks cover what a resume of ``num_tokens``
+        tokens after a ``local_tokens`` prefix-cache hit allocates, ``extra`` state
+        blocks it does not count included (blocks of every group); None when that is
+        unknown or more than the device has."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        pool = getattr(manager, "block_pool", None)
+        if pool is None:
+            return None
+        need = extra
+        for group in self._groups:
+            if group.state:
+                need += 1
+            else:
+                need += -(-num_tokens // group.block_size) - local_tokens // group.block_size
+        if need >= int(getattr(pool, "num_gpu_blocks", need + 1)):
+            return None  # one block is vLLM's null block
+        return int(pool.get_num_free_blocks()) >= need
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.scheduler is None:
@@ -519,6 +596,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self._local_hits.pop(request.request_id, None)
+            self._room_waits.pop(request.request_id, None)
             self._requests.pop(request.request_id, None)
             self.scheduler.on_finished(request.request_id)
         return False, None

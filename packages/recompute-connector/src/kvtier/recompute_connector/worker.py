@@ -151,9 +151,10 @@ class RecomputeOffloadWorker:
         self._load_errors.update(plan.unrestorable_device_blocks)
         for job in plan.loads:
             if self.config.corrupt_restores and self.region is not None and job.host_block_ids:
-                # Test-only: wrong KV must show up as wrong output.
+                # Test-only: wrong KV must show up as wrong output. Where the job restores
+                # a recurrent state, only the state is corrupted (its own sharpness check).
                 blocks = self.region.blocks
-                for h in job.host_block_ids:
+                for h in sorted(set(job.state_host_block_ids or job.host_block_ids)):
                     blocks[h].bitwise_not_()
             self._submit("load", job)
 
