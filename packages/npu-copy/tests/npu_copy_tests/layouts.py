@@ -81,6 +81,25 @@ def make_layout(name: str, device: str = "cpu", *, large: bool = False, seed: in
             _rand((nb, 4, hd), torch.uint8, device, gen),
         ]
         return LayoutCase(name, ts, ts, first)
+    if name == "hybrid_overlay":
+        # vLLM's hybrid models: KV cache groups overlaid on one buffer, layer-outermost.
+        # Slot l's page of block b is at l * nb * page + b * page; in it a full-attention
+        # layer sees [heads, block_size, dims], a linear-attention layer a float16 conv
+        # state and, after it, a float32 recurrent state, with unused padding after both.
+        page = 2 * 16 * hd * 2 * 2  # bytes of one attention page
+        raw = _rand((2 * nb * page,), torch.uint8, device, gen)
+        kv: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
+        pages = []
+        for slot in range(2):
+            base = slot * nb * page
+            attn = raw[base : base + nb * page].view(nb, 2, 16, hd * 4).view(torch.float16)
+            conv = raw.view(torch.float16).as_strided((nb, 3, hd), (page // 2, hd, 1), base // 2)
+            ssm_at = base + 3 * hd * 2
+            ssm = raw.view(torch.float32).as_strided((nb, 2, hd), (page // 4, hd, 1), ssm_at // 4)
+            kv[f"layers.{2 * slot}.linear_attn"] = (conv, ssm)
+            kv[f"layers.{2 * slot + 1}.attn"] = attn
+            pages.append(attn)
+        return LayoutCase(name, kv, pages, first)
     raise ValueError(name)
 
 
@@ -92,4 +111,5 @@ LAYOUTS = [
     "shared",
     "permuted",
     "mixed_sizes",
+    "hybrid_overlay",
 ]

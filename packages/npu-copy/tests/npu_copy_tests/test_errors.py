@@ -142,6 +142,32 @@ def test_shared_tensors_count_once() -> None:
     assert layout.block_bytes == sum(t[0].numel() * t.element_size() for t in case.tensors)
 
 
+def test_overlaid_kv_cache_groups_give_one_segment_per_page() -> None:
+    case = make_layout("hybrid_overlay")
+    layout = KVLayout.from_kv_caches(case.kv, NUM_BLOCKS)
+    page = case.tensors[0][0].numel() * case.tensors[0].element_size()
+    assert [s.block_bytes for s in layout.segments] == [page, page], layout.segments
+    assert [s.rows.data_ptr() for s in layout.segments] == [t.data_ptr() for t in case.tensors]
+
+
+def test_padded_views_hold_only_their_bytes() -> None:
+    # A state view whose blocks lie further apart than its own bytes (a padded page).
+    raw = torch.zeros(6 * 64, dtype=torch.uint8)
+    state = raw.view(torch.float32).as_strided((6, 3, 4), (16, 4, 1), 2)
+    layout = KVLayout.from_kv_caches([state])
+    (segment,) = layout.segments
+    assert (segment.block_bytes, segment.rows.stride(0)) == (48, 64)
+    assert segment.rows.data_ptr() == raw.data_ptr() + 8
+
+
+def test_views_into_other_blocks_of_a_shared_buffer_are_rejected() -> None:
+    raw = torch.zeros(8 * 64, dtype=torch.uint8)
+    pages = raw.view(8, 64)
+    shifted = raw[32 : 32 + 7 * 64].as_strided((7, 48), (64, 1))  # straddles two pages
+    with pytest.raises(ValueError, match="overlap"):
+        KVLayout.from_kv_caches({"a": pages[:7], "b": shifted}, num_blocks=7)
+
+
 def test_layout_units() -> None:
     kv = {"a": torch.zeros(5, 2, 16, 8, dtype=torch.float16), "b": torch.zeros(10, 16)}
     layout = KVLayout.from_kv_caches(kv, num_blocks=5, segment_alignment=256)

@@ -11,6 +11,7 @@ from kvtier.recompute_connector import (
     KVGroup,
     Phase,
     RecomputeOffloadScheduler,
+    TransferJob,
     WorkerReport,
 )
 
@@ -280,6 +281,67 @@ def test_two_groups_map_block_by_block() -> None:
     load = s.on_allocated("r", [[5, 6], [0, 7]], 0, 8)
     assert load is not None and load.device_block_ids == [5, 6, 7]
     assert load.host_block_ids == job.host_block_ids
+
+
+def hybrid() -> RecomputeOffloadScheduler:
+    """A linear-attention state group beside a full-attention group (vLLM's order)."""
+    return RecomputeOffloadScheduler(
+        num_host_blocks=8, groups=[KVGroup(BS, state=True), KVGroup(BS)]
+    )
+
+
+def stored_hybrid(
+    blocks: list[list[int]], tokens: int
+) -> tuple[RecomputeOffloadScheduler, TransferJob]:
+    """A hybrid scheduler whose request "r" ran to ``tokens`` tokens on ``blocks`` (per
+    group) and was preempted and stored."""
+    s = hybrid()
+    s.observe_scheduled("r", blocks, tokens - 1, 1)
+    job = s.on_preempted("r")
+    assert job is not None, "the store was not planned"
+    s.on_worker_report(report("store", job.job_id))
+    return s, job
+
+
+def test_state_group_keeps_only_the_block_of_the_last_token() -> None:
+    # 10 tokens computed: the state after token 10 is in block 2 of the state group.
+    s, job = stored_hybrid([[0, 4, 5], [1, 2, 3]], 10)
+    assert job.device_block_ids == [5, 1, 2, 3]
+    assert s.restorable_tokens("r", 11, 0) == 10
+    # vLLM gives the resumed request null blocks before the state block.
+    load = s.on_allocated("r", [[0, 0, 6], [7, 8, 9]], 0, 10)
+    assert load is not None and load.device_block_ids == [6, 7, 8, 9]
+    assert load.host_block_ids == job.host_block_ids
+    assert load.state_host_block_ids == [job.host_block_ids[0]]
+    s.check_invariants()
+
+
+def test_state_is_restored_only_at_the_token_it_was_kept_at() -> None:
+    s, _ = stored_hybrid([[0, 4, 5], [1, 2, 3]], 10)
+    # Resumed with fewer tokens than the state covers (a rejected token): no prefix of
+    # a recurrent state exists, so nothing is claimed.
+    assert s.restorable_tokens("r", 10, 0) == 0
+    assert s.take_stats().fallbacks[Fallback.STATE_POSITION.value] == 1
+    assert s.host_blocks_in_use == 0
+
+
+def test_state_load_fills_every_block_vllm_may_read_it_from() -> None:
+    s, job = stored_hybrid([[0, 5], [1, 2]], 8)  # 8 tokens: a block boundary
+    assert s.uncounted_state_blocks(8, 9) == 1, "crossing into block 2 needs a block more"
+    assert s.uncounted_state_blocks(9, 10) == 0
+    assert s.restorable_tokens("r", 9, 0) == 8
+    # vLLM copies the state from block 1 into block 2 before the load: both get it.
+    load = s.on_allocated("r", [[0, 6, 7], [3, 4, 8]], 0, 8)
+    assert load is not None and load.device_block_ids == [6, 7, 3, 4]
+    state_host = job.host_block_ids[0]
+    assert load.host_block_ids[:2] == [state_host, state_host]
+
+
+def test_lost_state_block_falls_back() -> None:
+    s = hybrid()
+    s.observe_scheduled("r", [[0, 0], [1, 2]], 7, 1)
+    assert s.on_preempted("r") is None
+    assert s.take_stats().fallbacks[Fallback.STATE_POSITION.value] == 1
 
 
 def test_lost_store_report_times_out_to_recompute(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,6 @@ of one device block, back to back, at fixed byte offsets: one host block is one 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,43 +39,132 @@ class Segment:
         return self.host_offset + self.block_bytes
 
 
-def _physical_order(t: torch.Tensor, name: str) -> torch.Tensor:
-    """``t`` permuted so that it is contiguous (vLLM hands out permuted views)."""
-    if t.is_contiguous():
-        return t
-    order = sorted(range(t.dim()), key=lambda d: -int(t.stride()[d]))
-    p = t.permute(order)
-    if not p.is_contiguous():
-        raise ValueError(
-            f"KV tensor {name!r} (shape {tuple(t.shape)}, strides {t.stride()}) is not a "
-            "permutation of a dense tensor; register the dense tensor it is a view of"
-        )
-    return p
+@dataclass(frozen=True)
+class _BlockRows:
+    """One run of bytes per device block in device memory: block ``b`` of it is the
+    ``width`` bytes at address ``start + b * stride``. ``source`` is a tensor on its
+    memory (to make the view from)."""
+
+    name: str
+    start: int
+    stride: int
+    width: int
+    source: torch.Tensor
+
+    def span_end(self, num_blocks: int) -> int:
+        """First address after block ``num_blocks - 1``."""
+        return self.start + (num_blocks - 1) * self.stride + self.width
 
 
-def _split_rows(t: torch.Tensor, num_blocks: int, name: str) -> list[torch.Tensor]:
-    """``t`` as one or more ``[num_blocks, bytes]`` uint8 row views.
+def _physical_order(t: torch.Tensor) -> torch.Tensor:
+    """``t`` permuted so that its dimensions run from the largest stride to the smallest
+    (vLLM hands out permuted views)."""
+    order = sorted(range(t.dim()), key=lambda d: (-int(t.stride()[d]), -int(t.shape[d])))
+    return t.permute(order)
 
-    ``[num_blocks, ...]`` gives one segment; ``[m * num_blocks, ...]`` (m block-major
-    parts, for example K blocks then V blocks) and ``[m, num_blocks, ...]`` give m.
+
+def _split_rows(t: torch.Tensor, num_blocks: int, name: str) -> list[_BlockRows]:
+    """``t`` as one or more runs of bytes per block.
+
+    ``[num_blocks, ...]`` gives one run; ``[m * num_blocks, ...]`` (m block-major
+    parts, for example K blocks then V blocks) and ``[m, num_blocks, ...]`` give m. The
+    part of one block must be dense; blocks may lie further apart than their size (a
+    view into a buffer that other layers or KV cache groups share, as in vLLM's hybrid
+    layouts).
     """
     if t.dim() == 0 or t.numel() == 0:
         raise ValueError(f"KV tensor {name!r} is empty or 0-dimensional")
-    p = _physical_order(t, name)
+    p = _physical_order(t)
     shape = p.shape
+    es = t.element_size()
     if shape[0] % num_blocks == 0:
-        parts = shape[0] // num_blocks
+        parts, block_dim = shape[0] // num_blocks, 0
     elif p.dim() > 1 and shape[1] == num_blocks:
-        parts = shape[0]
+        parts, block_dim = int(shape[0]), 1
     else:
         raise ValueError(
             f"KV tensor {name!r} has shape {tuple(shape)} (in memory order): its first "
             f"dimension is not a multiple of num_blocks={num_blocks}, and it is not "
             f"[parts, num_blocks, ...]"
         )
-    flat = p.reshape(-1).view(torch.uint8)
-    rows = flat.view(parts, num_blocks, -1)
-    return [rows[i] for i in range(parts)]
+    inner = p[0, 0] if block_dim == 1 else p[0]
+    if p.dim() > block_dim + 1 and not inner.is_contiguous():
+        raise ValueError(
+            f"KV tensor {name!r} (shape {tuple(t.shape)}, strides {t.stride()}): one "
+            "block of it is not a permutation of a dense tensor; register the dense "
+            "tensor it is a view of"
+        )
+    width = inner.numel() * es
+    stride = int(p.stride(block_dim)) * es
+    part_stride = num_blocks * stride if block_dim == 0 else int(p.stride(0)) * es
+    if stride < width:
+        raise ValueError(
+            f"KV tensor {name!r}: its blocks overlap ({width} bytes each, {stride} apart)"
+        )
+    return [
+        _BlockRows(name, t.data_ptr() + i * part_stride, stride, width, t) for i in range(parts)
+    ]
+
+
+def _blocks_in_common(a: _BlockRows, b: _BlockRows, num_blocks: int) -> set[int]:
+    """The differences ``i - j`` (in blocks) for which block ``i`` of ``a`` and block
+    ``j`` of ``b`` share bytes; both have the same stride."""
+    d, s = b.start - a.start, a.stride
+    lo = (d - a.width) // s + 1  # least k with k * s > d - a.width
+    hi = -(-(d + b.width) // s) - 1  # greatest k with k * s < d + b.width
+    return set(range(max(lo, 1 - num_blocks), min(hi, num_blocks - 1) + 1))
+
+
+def _merge_rows(rows: list[_BlockRows], num_blocks: int) -> list[_BlockRows]:
+    """Runs of bytes that share memory only within the same block id merge into one
+    (one tensor registered for several layers, or KV cache groups overlaid on one
+    buffer, each block owned by one group at a time); any other sharing is an error."""
+    merged: list[_BlockRows] = []
+    for row in rows:
+        touching: list[int] = []
+        for i, other in enumerate(merged):
+            if row.start >= other.span_end(num_blocks) or other.start >= row.span_end(num_blocks):
+                continue
+            key = (row.start, row.stride, row.width)
+            if key == (other.start, other.stride, other.width):
+                common = {0}
+            elif row.stride == other.stride:
+                common = _blocks_in_common(other, row, num_blocks)
+            else:
+                common = {0, 1}  # different block strides: never the same blocks
+            if common - {0}:
+                raise ValueError(
+                    f"KV tensors {other.name!r} and {row.name!r} overlap without being the "
+                    "same memory or the same blocks of it; register each KV buffer once"
+                )
+            if common:
+                touching.append(i)
+        for i in reversed(touching):
+            other = merged.pop(i)
+            start = min(row.start, other.start)
+            end = max(row.start + row.width, other.start + other.width)
+            same = (start, end - start) == (other.start, other.width)
+            name = other.name if same else f"{other.name}+{row.name}"
+            row = _BlockRows(name, start, row.stride, end - start, other.source)
+            if row.width > row.stride:
+                raise ValueError(
+                    f"KV tensors {name!r} overlay one buffer with {row.width} bytes per "
+                    f"block but blocks {row.stride} bytes apart"
+                )
+        merged.insert(min(touching, default=len(merged)), row)
+    if len(merged) < len(rows) and len(merged) > 1:
+        # A merge widens a run: check the merged runs against each other again.
+        return _merge_rows(merged, num_blocks) if len(merged) > 1 else merged
+    return merged
+
+
+def _byte_rows(rows: _BlockRows, num_blocks: int) -> torch.Tensor:
+    """A ``[num_blocks, width]`` uint8 view of ``rows`` (row stride ``rows.stride``)."""
+    storage = rows.source.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=rows.source.device)
+    flat.set_(storage, 0, (storage.nbytes(),), (1,))
+    offset = rows.start - storage.data_ptr()
+    return flat.as_strided((num_blocks, rows.width), (rows.stride, 1), offset)
 
 
 def _entries(kv_caches: KVCaches) -> list[tuple[str, torch.Tensor]]:
@@ -133,7 +221,10 @@ class KVLayout:
         Each tensor holds ``num_blocks`` device blocks on its first dimension
         (``[num_blocks, ...]``), or several block-major parts (``[m * num_blocks, ...]``
         or ``[m, num_blocks, ...]``). Tensors shared by several layers count once.
-        ``num_blocks`` defaults to the first dimension when every tensor has the same one.
+        Tensors that are views into one buffer shared by several KV cache groups (vLLM's
+        hybrid models) give one segment per run of bytes a block id owns there: views
+        may overlap only within the same block id. ``num_blocks`` defaults to the first
+        dimension when every tensor has the same one.
         Each segment starts at a host-block byte offset that is a multiple of
         ``segment_alignment`` (bytes).
         """
@@ -154,37 +245,29 @@ class KVLayout:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
 
-        # Layers that share one tensor (same memory) are registered once.
-        seen: dict[tuple[int, int], str] = {}
-        spans: list[tuple[int, int, str]] = []
-        dense: list[tuple[str, torch.Tensor]] = []
+        # Layers that share one tensor, or KV cache groups overlaid on one buffer (each
+        # block id is owned by one group at a time), give one segment.
+        rows: list[_BlockRows] = []
         for name, t in entries:
-            start = t.data_ptr()
-            nbytes = t.numel() * t.element_size()
-            key = (start, nbytes)
-            if key in seen:
-                continue
-            seen[key] = name
-            spans.append((start, start + nbytes, name))
-            dense.append((name, t))
-        spans.sort()
-        for (_, end_a, name_a), (start_b, _, name_b) in itertools.pairwise(spans):
-            if start_b < end_a:
-                raise ValueError(
-                    f"KV tensors {name_a!r} and {name_b!r} overlap without being the same "
-                    "memory; register each KV buffer once"
-                )
+            rows.extend(_split_rows(t, num_blocks, name))
+        parts_of: dict[str, int] = {}
+        for r in rows:
+            parts_of[r.name] = parts_of.get(r.name, 0) + 1
+        index: dict[str, int] = {}
+        named = []
+        for r in rows:
+            if parts_of[r.name] > 1:
+                i = index.get(r.name, 0)
+                index[r.name] = i + 1
+                r = _BlockRows(f"{r.name}#{i}", r.start, r.stride, r.width, r.source)
+            named.append(r)
 
         segments: list[Segment] = []
         offset = 0
-        for name, t in dense:
-            parts = _split_rows(t, num_blocks, name)
-            for i, rows in enumerate(parts):
-                offset = -(-offset // segment_alignment) * segment_alignment
-                seg_name = name if len(parts) == 1 else f"{name}#{i}"
-                nbytes = int(rows.shape[1])
-                segments.append(Segment(seg_name, rows, nbytes, offset))
-                offset += nbytes
+        for r in _merge_rows(named, num_blocks):
+            offset = -(-offset // segment_alignment) * segment_alignment
+            segments.append(Segment(r.name, _byte_rows(r, num_blocks), r.width, offset))
+            offset += r.width
         return cls(segments, num_blocks)
 
     def check_host_blocks(self, host_blocks: torch.Tensor) -> None:

@@ -62,7 +62,7 @@ from kvtier.recompute_connector.metrics import (
     worker_stats,
 )
 from kvtier.recompute_connector.protocol import StepPlan, WorkerReport
-from kvtier.recompute_connector.state import KVGroup, RecomputeOffloadScheduler
+from kvtier.recompute_connector.state import Fallback, KVGroup, RecomputeOffloadScheduler
 from kvtier.recompute_connector.worker import RecomputeOffloadWorker
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvtier.recompute_connector")
 
 CONNECTOR_NAME = "RecomputeCPUOffloadConnector"
+# Steps a resumed hybrid request may wait for device room for its state blocks before
+# it is recomputed instead.
+ROOM_WAIT_STEPS = 1000
 
 
 class RecomputeConnectorMetadata(KVConnectorMetadata):
@@ -97,26 +100,109 @@ class RecomputeWorkerMetadata(KVConnectorWorkerMetadata):
 # ---------------------------------------------------------------------- helpers
 
 
+def _layer_page_bytes(kv_cache_config: Any, layer: str) -> int | None:
+    """Bytes of one block of ``layer`` (its KV cache group's page, padding included)."""
+    for group in kv_cache_config.kv_cache_groups:
+        if layer in group.layer_names:
+            spec = group.kv_cache_spec
+            spec = getattr(spec, "kv_cache_specs", {}).get(layer, spec)
+            page = getattr(spec, "page_size_bytes", None)
+            return int(page) if page else None
+    return None
+
+
+def block_placements(kv_cache_config: Any) -> list[tuple[str, int, int, int]] | None:
+    """Where each layer's blocks lie in vLLM's KV cache allocation, in bytes: per layer
+    ``(name, offset of block 0, distance between blocks, bytes of one block)``.
+
+    vLLM releases whose ``KVCacheTensor`` has a ``layer_stride`` place every tensor in
+    one allocation, and KV cache groups overlay each other there (a block id belongs to
+    one group at a time): a hybrid model's linear-attention layers get that whole
+    allocation as their KV cache, so their blocks can only be found from here. ``None``
+    on releases where each ``KVCacheTensor`` is an allocation of its own.
+    """
+    tensors = [
+        t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)
+    ]
+    if not tensors or not all(hasattr(t, "layer_stride") for t in tensors):
+        return None
+    out = []
+    for t in tensors:
+        layer_stride, block_stride = int(t.layer_stride), int(t.block_stride)
+        for i, layer in enumerate(t.layers):
+            page = _layer_page_bytes(kv_cache_config, layer)
+            if page is None:
+                page = min(s for s in (layer_stride, block_stride) if s > 0)
+            out.append((str(layer), int(t.offset) + i * layer_stride, block_stride, page))
+    return out
+
+
 def device_block_bytes(kv_cache_config: Any) -> int:
     """Bytes of one device block over every KV tensor of a rank (one host block)."""
+    num_blocks = int(kv_cache_config.num_blocks)
+    placements = block_placements(kv_cache_config)
+    if placements is not None and num_blocks > 0:
+        # Overlaid groups share their bytes: count the union of block 0's runs.
+        total, end = 0, -1
+        for start, stop in sorted((p[1], p[1] + p[3]) for p in placements):
+            total += max(0, stop - max(start, end))
+            end = max(end, stop)
+        return total
     tensors = [
         t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)
     ]
     total = sum(int(t.size) for t in tensors)
-    num_blocks = int(kv_cache_config.num_blocks)
     if not tensors or num_blocks <= 0:
         raise ValueError("the KV cache config has no device KV tensors to offload")
     return total // num_blocks
 
 
+def block_views(kv_caches: dict[str, Any], kv_cache_config: Any) -> dict[str, Any]:
+    """The KV tensors to register with the copy engine: per layer a ``[num_blocks,
+    page bytes]`` uint8 view placed as :func:`block_placements` says, or ``kv_caches``
+    as vLLM gave them on releases without placements."""
+    placements = block_placements(kv_cache_config)
+    if placements is None:
+        return kv_caches
+    num_blocks = int(kv_cache_config.num_blocks)
+    views: dict[str, Any] = {}
+    for name, start, stride, page in placements:
+        entry = kv_caches.get(name)
+        if isinstance(entry, (list, tuple)):
+            entry = entry[0] if entry else None
+        if not isinstance(entry, torch.Tensor):
+            continue
+        # Every layer's tensor is a view of the one allocation, which starts its storage.
+        storage = entry.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=entry.device)
+        flat.set_(storage, 0, (storage.nbytes(),), (1,))
+        views[name] = flat.as_strided((num_blocks, page), (stride, 1), start)
+    return views
+
+
 def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
+    """The KV cache groups as the scheduler side sees them.
+
+    A Mamba group (linear attention's convolution and recurrent state) is kept only in
+    vLLM's ``mamba_cache_mode`` ``"align"`` without speculative blocks: there the state
+    after a request's last computed token is the block of that token, so one block
+    per request restores it. Other modes keep it elsewhere: recomputed.
+    """
     groups = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         kind = type(spec).__name__
         window = getattr(spec, "sliding_window", None)
+        if "Mamba" in kind:
+            state = (
+                getattr(spec, "mamba_cache_mode", None) == "align"
+                and not getattr(spec, "num_speculative_blocks", 0)
+                and not getattr(spec, "num_prefill_checkpoint_blocks", 0)
+            )
+            groups.append(KVGroup(int(spec.block_size), None, state, state=state))
+            continue
         supported = kind in ("FullAttentionSpec", "SlidingWindowSpec") or (
-            hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size") and "Mamba" not in kind
+            hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size")
         )
         groups.append(KVGroup(int(spec.block_size), int(window) if window else None, supported))
     return groups
@@ -223,12 +309,14 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: RecomputeOffloadScheduler | None = None
         self.worker: RecomputeOffloadWorker | None = None
         self._local_hits: dict[str, int] = {}
+        self._room_waits: dict[str, int] = {}  # request -> steps waited for device room
         # Prefix sharing: the requests the scheduler admitted (for their block hashes).
         self._requests: dict[str, Any] = {}
         self._hash_block_size = 0
         self._groups = kv_groups(kv_cache_config)
         self._stats_every_step = not vllm_compat.binds_kv_cache_manager()
-        self._refresh_every_step = any(g.sliding_window for g in self._groups)
+        # Sliding-window and state groups retire blocks while a request runs.
+        self._refresh_every_step = any(g.sliding_window or g.state for g in self._groups)
         if role == KVConnectorRole.SCHEDULER:
             budget = self.config.resolve_budget(self.block_bytes)
             self.scheduler = RecomputeOffloadScheduler(
@@ -247,9 +335,19 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 budget.describe(),
             )
             if not self.scheduler.supported:
+                kinds = sorted(
+                    {
+                        type(g.kv_cache_spec).__name__
+                        for g, kv in zip(kv_cache_config.kv_cache_groups, self._groups)
+                        if not kv.supported
+                    }
+                )
                 logger.warning(
-                    "kvtier: this model has KV cache groups that are not paged attention; "
-                    "preempted requests will be recomputed as usual"
+                    "kvtier: this model has KV cache groups kvtier cannot keep (%s: a "
+                    "linear-attention or Mamba state outside vLLM's mamba_cache_mode "
+                    "'align', or with speculative blocks), so vLLM recomputes every "
+                    "preempted request",
+                    ", ".join(kinds),
                 )
             if self.config.enable_offload_prefix_caching:
                 self._hash_block_size = _hash_block_size(vllm_config, kv_cache_config)
@@ -279,7 +377,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker is not None:
-            self.worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+            views = block_views(kv_caches, self._kv_cache_config)
+            self.worker.register_kv_caches(views, self._kv_cache_config.num_blocks)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker is not None and isinstance(
@@ -306,7 +405,20 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.load_errors() if self.worker is not None else set()
+        if self.worker is None:
+            return set()
+        errors = self.worker.load_errors()
+        if errors and len(self._groups) > 1:
+            # vLLM raises on block-level load failures with several KV cache groups:
+            # restores are verified before they are claimed, so this is a copy failure.
+            logger.error(
+                "kvtier: a restore of %d device blocks failed on a model with several KV "
+                "cache groups, which vLLM cannot recompute; the requests using them may "
+                "generate wrong tokens",
+                len(errors),
+            )
+            return set()
+        return errors
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker is None:
@@ -331,7 +443,50 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         tokens = self.scheduler.restorable_tokens(
             request.request_id, request.num_tokens, num_computed_tokens
         )
+        if not tokens:
+            return tokens, False
+        req_id = request.request_id
+        if self.config.fail_loads and len(self._groups) > 1:
+            # Test-only: with several KV cache groups a failed restore must not reach
+            # vLLM as failed blocks, so the injected failure is caught before the claim.
+            self.scheduler.refuse_restore(req_id, Fallback.LOAD_FAILED, "the restore would fail")
+            return 0, False
+        extra = self.scheduler.uncounted_state_blocks(
+            num_computed_tokens + tokens, request.num_tokens
+        )
+        if extra:
+            room = self._room_for(num_computed_tokens, request.num_tokens, extra)
+            waited = self._room_waits.get(req_id, 0) + 1
+            if room is None or (not room and waited > ROOM_WAIT_STEPS):
+                self._room_waits.pop(req_id, None)
+                self.scheduler.refuse_restore(
+                    req_id, Fallback.CAPACITY, "no device room for its state blocks"
+                )
+                return 0, False
+            if not room:
+                self._room_waits[req_id] = waited
+                return None, False  # ask again next step
+        self._room_waits.pop(req_id, None)
         return tokens, False
+
+    def _room_for(self, local_tokens: int, num_tokens: int, extra: int) -> bool | None:
+        """Whether vLLM's free device blocks cover what a resume of ``num_tokens``
+        tokens after a ``local_tokens`` prefix-cache hit allocates, ``extra`` state
+        blocks it does not count included (blocks of every group); None when that is
+        unknown or more than the device has."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        pool = getattr(manager, "block_pool", None)
+        if pool is None:
+            return None
+        need = extra
+        for group in self._groups:
+            if group.state:
+                need += 1
+            else:
+                need += -(-num_tokens // group.block_size) - local_tokens // group.block_size
+        if need >= int(getattr(pool, "num_gpu_blocks", need + 1)):
+            return None  # one block is vLLM's null block
+        return int(pool.get_num_free_blocks()) >= need
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.scheduler is None:
@@ -441,6 +596,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self._local_hits.pop(request.request_id, None)
+            self._room_waits.pop(request.request_id, None)
             self._requests.pop(request.request_id, None)
             self.scheduler.on_finished(request.request_id)
         return False, None

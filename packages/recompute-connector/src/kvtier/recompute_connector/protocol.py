@@ -20,6 +20,8 @@ class TransferJob:
         device_block_ids: device blocks, null blocks already left out.
         host_block_ids: host blocks, pairwise with ``device_block_ids``.
         num_tokens: tokens of KV the job carries (for logs and stats).
+        state_host_block_ids: the host blocks among ``host_block_ids`` that hold a
+            recurrent state (linear attention, Mamba) rather than per-token KV.
     """
 
     job_id: int
@@ -27,6 +29,7 @@ class TransferJob:
     device_block_ids: list[int]
     host_block_ids: list[int]
     num_tokens: int
+    state_host_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

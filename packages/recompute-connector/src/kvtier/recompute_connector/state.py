@@ -67,6 +67,7 @@ class Fallback(str, enum.Enum):
     WINDOW_GAP = "window_gap"  # a sliding-window block needed at resume was not stored
     UNSUPPORTED = "unsupported_kv_cache"  # a KV cache group that is not paged attention
     STORE_TIMEOUT = "store_timeout"  # no store report from the workers in time
+    STATE_POSITION = "state_position"  # a recurrent state kept past the tokens it resumes at
 
 
 class Phase(str, enum.Enum):
@@ -82,12 +83,17 @@ class KVGroup:
     Attributes:
         block_size: tokens per device block of this group.
         sliding_window: attention window in tokens, or ``None`` for full attention.
-        supported: False for groups whose state is not paged attention KV (Mamba, ...).
+        supported: False for groups the connector cannot keep.
+        state: the group holds one recurrent state per request (linear attention,
+            Mamba), in the block of the request's last computed token, as vLLM's
+            ``mamba_cache_mode="align"`` keeps it: only that block is kept, and a
+            restore resumes at exactly the token the state was kept at.
     """
 
     block_size: int
     sliding_window: int | None = None
     supported: bool = True
+    state: bool = False
 
 
 @dataclass(eq=False)
@@ -205,6 +211,7 @@ class RecomputeOffloadScheduler:
         self.null_block_id = null_block_id
         self.log = log or logger
         self.supported = all(g.supported for g in self.groups)
+        self.has_state = any(g.state for g in self.groups)
         self.running: dict[str, RunningRequest] = {}
         self.preempted: dict[str, PreemptedRequestState] = {}
         self._jobs = itertools.count(1)
@@ -263,8 +270,20 @@ class RecomputeOffloadScheduler:
         for g, (group, blocks) in enumerate(zip(self.groups, run.block_ids)):
             # Clip to the blocks holding KV: speculative lookahead blocks hold none.
             n = min(_ceil_div(run.kv_tokens, group.block_size), len(blocks))
-            hashes = block_hashes[g] if self.share_prefix and block_hashes else ()
             row: list[tuple[str, Any]] = []
+            if group.state:
+                # The state after the last computed token lives in its block alone.
+                last = blocks[n - 1] if n == _ceil_div(run.kv_tokens, group.block_size) else None
+                if last is None or last == self.null_block_id:
+                    self._fallback(
+                        req_id, Fallback.STATE_POSITION, "its recurrent state block is gone"
+                    )
+                    return None
+                row = [("null", None)] * (n - 1) + [("private", last)]
+                n_private += 1
+                slots.append(row)
+                continue
+            hashes = block_hashes[g] if self.share_prefix and block_hashes else ()
             for i, b in enumerate(blocks[:n]):
                 if b == self.null_block_id:
                     row.append(("null", None))
@@ -394,15 +413,46 @@ class RecomputeOffloadScheduler:
         tokens = min(state.num_tokens, num_tokens - 1)
         if tokens <= num_local_computed_tokens:
             return 0
+        if self.has_state:
+            detail = self._state_unrestorable(tokens, state.num_tokens)
+            if detail:
+                self._fallback(req_id, Fallback.STATE_POSITION, detail)
+                return 0
         if not self._covers(state, num_local_computed_tokens, tokens):
             self._fallback(req_id, Fallback.WINDOW_GAP, "a block inside the window was not kept")
             return 0
         return tokens - num_local_computed_tokens
 
+    def _state_unrestorable(self, tokens: int, kept: int) -> str:
+        """Why a recurrent state kept at ``kept`` tokens cannot resume a request at
+        ``tokens`` tokens, or "" when it can."""
+        if tokens != kept:
+            # A recurrent state is the state after all its tokens: no prefix of it exists.
+            return "its recurrent state is past the tokens it resumes with"
+        return ""
+
+    def uncounted_state_blocks(self, tokens: int, num_tokens: int) -> int:
+        """Device blocks that vLLM (0.32, ``mamba_cache_mode="align"``) allocates without
+        counting them first when a request of ``num_tokens`` tokens resumes with
+        ``tokens`` restored: one per state group whose remaining tokens reach past the
+        block of the restored state (it allocates that block and the block of the
+        step's last token, but counts one)."""
+        extra = 0
+        for group in self.groups:
+            room = group.block_size - tokens % group.block_size
+            if group.state and (room == group.block_size or num_tokens - tokens > room):
+                extra += 1
+        return extra
+
     def _covers(self, state: PreemptedRequestState, start: int, end: int) -> bool:
         """Whether every block a resume at ``end`` tokens reads beyond ``start`` is kept."""
         for group, hosts in zip(self.groups, state.host_blocks):
             bs = group.block_size
+            if group.state:
+                last = (end - 1) // bs
+                if last >= len(hosts) or hosts[last] is None:
+                    return False
+                continue
             first = start // bs
             if group.sliding_window:
                 # One token of margin below the window: never claim a block vLLM keeps.
@@ -433,8 +483,23 @@ class RecomputeOffloadScheduler:
         end = num_local_computed_tokens + num_external_tokens
         device: list[int] = []
         host: list[int] = []
+        state_hosts: list[int] = []
         for group, blocks, hosts in zip(self.groups, block_ids, state.host_blocks):
             bs = group.block_size
+            if group.state:
+                # vLLM reads the state from the block of token end - 1, and may copy it
+                # into the block of this step's last token before the load has run:
+                # every allocated block from there on gets the state.
+                first = (end - 1) // bs
+                h = hosts[first] if first < len(hosts) else None
+                targets = [b for b in blocks[first:] if b != self.null_block_id]
+                if h is None or not targets or blocks[first] == self.null_block_id:
+                    self._plan.unrestorable_device_blocks.extend(targets)
+                    continue
+                device.extend(targets)
+                host.extend([h] * len(targets))
+                state_hosts.append(h)
+                continue
             # Clip to what is allocated (the load never writes lookahead blocks).
             stop = min(_ceil_div(end, bs), len(blocks))
             for i in range(num_local_computed_tokens // bs, stop):
@@ -447,7 +512,7 @@ class RecomputeOffloadScheduler:
                     continue
                 device.append(dev)
                 host.append(h)
-        job = TransferJob(next(self._jobs), req_id, device, host, num_external_tokens)
+        job = TransferJob(next(self._jobs), req_id, device, host, num_external_tokens, state_hosts)
         state.phase = Phase.LOADING
         state.job_id = job.job_id
         state.ranks_ok = state.ranks_failed = 0
@@ -465,6 +530,10 @@ class RecomputeOffloadScheduler:
             num_local_computed_tokens,
         )
         return job
+
+    def refuse_restore(self, req_id: str, reason: Fallback, detail: str) -> None:
+        """A restore checked before it was claimed cannot be done: recompute the request."""
+        self._fallback(req_id, reason, detail)
 
     # ------------------------------------------------------------------ finish, abort
 
@@ -579,7 +648,10 @@ class RecomputeOffloadScheduler:
 
     def _count_fallback(self, req_id: str, reason: Fallback, detail: str) -> None:
         self.stats.fallbacks[reason.value] += 1
-        if reason == Fallback.CAPACITY:
+        if reason == Fallback.UNSUPPORTED:
+            # Said once at start-up; counted per preemption.
+            self.log.debug("Recompute offload skipped for request %s: %s", req_id, detail)
+        elif reason == Fallback.CAPACITY:
             self.log.warning(
                 "Recompute offload skipped for request %s: %s; it will be recomputed. "
                 "Raise cpu_bytes_to_use_per_rank if this repeats.",

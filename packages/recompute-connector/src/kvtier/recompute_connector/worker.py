@@ -87,6 +87,7 @@ class RecomputeOffloadWorker:
         self._report = WorkerReport()
         self._load_errors: set[int] = set()
         self.stats = TransferStats()
+        self.unsupported = ""  # why the KV tensors could not be registered, if they could not
 
     @property
     def num_host_blocks(self) -> int:
@@ -95,16 +96,27 @@ class RecomputeOffloadWorker:
     def register_kv_caches(self, kv_caches: Any, num_blocks: int | None = None) -> None:
         """Describe the engine's KV tensors and allocate this rank's host region.
 
-        Raises ``ValueError`` when a device block needs more bytes than the host block
-        the budget was resolved for (the scheduler's block count would be wrong).
+        KV tensors the copy engine cannot lay out as blocks (or whose block is larger
+        than the host block the scheduler counted) do not stop the engine: one line
+        says why, no host memory is taken, and every store fails, so vLLM recomputes
+        every preempted request.
         """
-        layout = KVLayout.from_kv_caches(kv_caches, num_blocks)
-        if layout.block_bytes > self.budget.block_bytes:
-            raise ValueError(
-                f"a device block holds {layout.block_bytes} bytes in the registered KV tensors "
-                f"but the KV cache config says {self.budget.block_bytes}; the scheduler and "
-                "the workers would disagree on the host block count"
+        try:
+            layout = KVLayout.from_kv_caches(kv_caches, num_blocks)
+            if layout.block_bytes > self.budget.block_bytes:
+                raise ValueError(
+                    f"a device block holds {layout.block_bytes} bytes in the registered KV "
+                    f"tensors but the KV cache config says {self.budget.block_bytes}"
+                )
+        except ValueError as exc:
+            self.unsupported = str(exc)
+            self.log.warning(
+                "kvtier: RecomputeCPUOffloadConnector rank %d cannot copy this model's KV "
+                "cache (%s); preempted requests will be recomputed",
+                self.rank,
+                exc,
             )
+            return
         self.region = HostRegion.private(self.budget.num_blocks, self.budget.block_bytes)
         try:
             self.engine = TransferEngine(
@@ -139,9 +151,10 @@ class RecomputeOffloadWorker:
         self._load_errors.update(plan.unrestorable_device_blocks)
         for job in plan.loads:
             if self.config.corrupt_restores and self.region is not None and job.host_block_ids:
-                # Test-only: wrong KV must show up as wrong output.
+                # Test-only: wrong KV must show up as wrong output. Where the job restores
+                # a recurrent state, only the state is corrupted (its own sharpness check).
                 blocks = self.region.blocks
-                for h in job.host_block_ids:
+                for h in sorted(set(job.state_host_block_ids or job.host_block_ids)):
                     blocks[h].bitwise_not_()
             self._submit("load", job)
 
@@ -181,7 +194,11 @@ class RecomputeOffloadWorker:
                 self.stats.failures[direction] += 1
                 if p.kind == "load":
                     self._load_errors.update(p.job.device_block_ids)
-                error = p.handle.error if p.handle is not None else "injected failure"
+                error = (
+                    p.handle.error
+                    if p.handle is not None
+                    else self.unsupported or "injected failure"
+                )
                 self.log.warning(
                     "kvtier: rank %d: %s of %d blocks for request %s failed (%s); "
                     "vLLM recomputes it",

@@ -1,7 +1,8 @@
 """kvtier-testkit: shared test helpers for kvtier's vLLM plugins.
 
 * :func:`make_tiny_llama`: a tiny random-weight model and tokenizer, made offline, cached
-  (:func:`make_tiny_mla`: one with multi-head latent attention);
+  (:func:`make_tiny_mla`: one with multi-head latent attention; :func:`make_tiny_hybrid`:
+  linear and full attention);
 * :func:`run_workload`, :func:`compare_outputs`: greedy runs compared token by token;
 * :class:`SchedulerTokenCounter`: the engine's work in scheduled tokens;
 * :func:`run_script`, :func:`script_env`: a test package's script in a subprocess;
@@ -16,6 +17,9 @@ from kvtier.testkit.__about__ import __version__
 from kvtier.testkit.engine import (
     FORCED_PREEMPTION_ENGINE,
     FORCED_PREEMPTION_WORKLOAD,
+    HYBRID_ENGINE,
+    HYBRID_REFERENCE_ENGINE,
+    HYBRID_WORKLOAD,
     PREFIX_ENGINE,
     PREFIX_REFERENCE_ENGINE,
     PREFIX_WORKLOAD,
@@ -48,6 +52,7 @@ from kvtier.testkit.model import (
     ENV_MODEL_DIR,
     TinyModelSpec,
     default_model_root,
+    make_tiny_hybrid,
     make_tiny_llama,
     make_tiny_mla,
     read_spec,
@@ -59,6 +64,9 @@ __all__ = [
     "ENV_MODEL_DIR",
     "FORCED_PREEMPTION_ENGINE",
     "FORCED_PREEMPTION_WORKLOAD",
+    "HYBRID_ENGINE",
+    "HYBRID_REFERENCE_ENGINE",
+    "HYBRID_WORKLOAD",
     "PREFIX_ENGINE",
     "PREFIX_REFERENCE_ENGINE",
     "PREFIX_WORKLOAD",
@@ -84,6 +92,7 @@ __all__ = [
     "llm_session",
     "make_llm",
     "make_prefix_workload",
+    "make_tiny_hybrid",
     "make_tiny_llama",
     "make_tiny_mla",
     "make_workload",

@@ -45,6 +45,22 @@ SLIDING_WINDOW_ENGINE: dict[str, Any] = {
 }
 
 
+# Hybrid recipe (make_tiny_hybrid: linear + full attention; vLLM's CPU kernels for it
+# need bfloat16). vLLM picks the block size itself (128 tokens here, the attention page
+# as large as the linear-attention state page); 10 device blocks preempt about 13 times
+# with HYBRID_WORKLOAD.
+HYBRID_ENGINE: dict[str, Any] = {
+    "num_gpu_blocks_override": 10,
+    "max_num_seqs": 16,
+    "max_model_len": 512,
+    "enforce_eager": True,
+    "dtype": "bfloat16",
+    "disable_log_stats": False,
+    "gpu_memory_utilization": 0.2,
+}
+HYBRID_REFERENCE_ENGINE: dict[str, Any] = {**HYBRID_ENGINE, "num_gpu_blocks_override": 96}
+
+
 @dataclass(frozen=True)
 class Workload:
     """Prompts as token ids and how many tokens to generate for each (greedy, ignore_eos)."""
@@ -88,6 +104,7 @@ def make_workload(
 
 FORCED_PREEMPTION_WORKLOAD = make_workload()
 SLIDING_WINDOW_WORKLOAD = make_workload(8, 40, 120)
+HYBRID_WORKLOAD = make_workload(12, 190, 140)
 
 # Prefix reuse: a device cache of 12 blocks of 32 tokens cannot keep the 8 prefixes of
 # 4 blocks of PREFIX_WORKLOAD, and two requests run at a time, so a prefix is gone from

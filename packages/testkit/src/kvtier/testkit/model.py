@@ -2,7 +2,8 @@
 
 No model can be downloaded where kvtier's tests run, so the tests make their own:
 a Llama (or, with a sliding window, a Mistral; or a DeepSeek-V2 with multi-head latent
-attention) of a few layers with random weights,
+attention; or a Qwen3-Next, a hybrid of linear and full attention) of a few layers with
+random weights,
 saved with transformers, and a byte-level BPE tokenizer trained with ``tokenizers``
 on generated text. The EOS logit row is zeroed so greedy runs reach ``max_tokens``.
 
@@ -48,6 +49,8 @@ class TinyModelSpec:
         kv_heads: KV heads (grouped-query attention); ``None`` for as many as ``heads``.
         mla: a DeepSeek-V2 with multi-head latent attention (``head_dim`` is then the
             per-head query/key and value width beside the latent; see :func:`make_tiny_mla`).
+        hybrid: a Qwen3-Next whose layers alternate linear attention (Gated DeltaNet) and
+            full attention (see :func:`make_tiny_hybrid`).
     """
 
     layers: int = 2
@@ -59,11 +62,14 @@ class TinyModelSpec:
     sliding_window: int | None = None
     kv_heads: int | None = None
     mla: bool = False
+    hybrid: bool = False
 
     @property
     def architecture(self) -> str:
         if self.mla:
             return "deepseek-v2"
+        if self.hybrid:
+            return "qwen3-next"
         return "mistral" if self.sliding_window else "llama"
 
     def folder_name(self) -> str:
@@ -72,6 +78,8 @@ class TinyModelSpec:
             del fields["kv_heads"]  # folders made before GQA keep their names
         if not fields["mla"]:
             del fields["mla"]  # and those made before MLA
+        if not fields["hybrid"]:
+            del fields["hybrid"]  # and those made before hybrid models
         blob = json.dumps({"recipe": RECIPE_VERSION, **fields}, sort_keys=True)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
         sw = f"-sw{self.sliding_window}" if self.sliding_window else ""
@@ -177,6 +185,26 @@ def _build(folder: Path, spec: TinyModelSpec) -> None:
             **dense,
         )
         model = DeepseekV2ForCausalLM(config)
+    elif spec.hybrid:
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        # Alternating layer kinds give one KV cache group of each. Linear-attention head
+        # dims of 64: vLLM's CPU Gated DeltaNet kernel needs 64 or more (and bf16).
+        hybrid_config = Qwen3NextConfig(
+            layer_types=[
+                "linear_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)
+            ],
+            linear_num_key_heads=spec.heads,
+            linear_num_value_heads=spec.heads,
+            linear_key_head_dim=spec.head_dim,
+            linear_value_head_dim=spec.head_dim,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=spec.hidden // 2,
+            shared_expert_intermediate_size=spec.hidden // 2,
+            **common,
+        )
+        model = Qwen3NextForCausalLM(hybrid_config)
     elif spec.sliding_window:
         model = MistralForCausalLM(MistralConfig(sliding_window=spec.sliding_window, **common))
     else:
@@ -186,6 +214,15 @@ def _build(folder: Path, spec: TinyModelSpec) -> None:
         model.lm_head.weight[ids["</s>"]].zero_()
     model.save_pretrained(str(folder), safe_serialization=True)
     (folder / "generation_config.json").unlink(missing_ok=True)
+
+
+def _check_sizes(layers: int, heads: int, head_dim: int, vocab: int) -> None:
+    if vocab < 300:
+        raise ValueError(
+            f"vocab must be at least 300 tokens (byte alphabet + specials), got {vocab}"
+        )
+    if heads * head_dim <= 0 or layers <= 0:
+        raise ValueError("layers, heads and head_dim must be positive")
 
 
 def make_tiny_llama(
@@ -209,12 +246,7 @@ def make_tiny_llama(
     ``heads``; it must divide ``heads``). ``vocab`` is in tokens (at least 300:
     the byte-level alphabet plus specials); ``hidden`` and ``head_dim`` in elements.
     """
-    if vocab < 300:
-        raise ValueError(
-            f"vocab must be at least 300 tokens (byte alphabet + specials), got {vocab}"
-        )
-    if heads * head_dim <= 0 or layers <= 0:
-        raise ValueError("layers, heads and head_dim must be positive")
+    _check_sizes(layers, heads, head_dim, vocab)
     if kv_heads is not None and (kv_heads <= 0 or heads % kv_heads):
         raise ValueError(f"kv_heads must be a positive divisor of heads={heads}, got {kv_heads}")
     spec = TinyModelSpec(layers, hidden, heads, head_dim, vocab, seed, sliding_window, kv_heads)
@@ -239,13 +271,31 @@ def make_tiny_mla(
     ranks. ``head_dim`` is each head's query/key width beside the rotary part and its
     value width. vLLM's CPU platform runs it with ``block_size`` 16 only.
     """
-    if vocab < 300:
-        raise ValueError(
-            f"vocab must be at least 300 tokens (byte alphabet + specials), got {vocab}"
-        )
-    if heads * head_dim <= 0 or layers <= 0:
-        raise ValueError("layers, heads and head_dim must be positive")
+    _check_sizes(layers, heads, head_dim, vocab)
     return _make(TinyModelSpec(layers, hidden, heads, head_dim, vocab, seed, mla=True), path)
+
+
+def make_tiny_hybrid(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 2,
+    head_dim: int = 64,
+    vocab: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Make (or reuse) a tiny random-weight Qwen3-Next and return its folder, cached as
+    :func:`make_tiny_llama`'s models.
+
+    Its layers alternate linear attention (Gated DeltaNet: a convolution and a recurrent
+    state per request, no KV per token) and full attention, starting with linear; every
+    layer's MLP is a mixture of 4 experts. ``heads`` and ``head_dim`` (elements) apply to
+    both kinds of layer. vLLM's CPU platform serves it with ``dtype="bfloat16"`` only, and
+    chooses the block size itself (128 tokens with :data:`HYBRID_ENGINE`).
+    """
+    _check_sizes(layers, heads, head_dim, vocab)
+    return _make(TinyModelSpec(layers, hidden, heads, head_dim, vocab, seed, hybrid=True), path)
 
 
 def _make(spec: TinyModelSpec, path: str | os.PathLike[str] | None) -> Path:

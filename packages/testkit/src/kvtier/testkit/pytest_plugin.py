@@ -7,7 +7,8 @@ Fixtures (session-scoped, made once per test session and cached on disk across
 sessions, see :func:`kvtier.testkit.default_model_root`):
 
 * ``tiny_model``: folder of the default tiny Llama (2 layers, hidden 128);
-* ``tiny_sliding_window_model``: the same as a Mistral with a 64-token sliding window.
+* ``tiny_sliding_window_model``: the same as a Mistral with a 64-token sliding window;
+* ``tiny_hybrid_model``: a Qwen3-Next of linear and full attention layers.
 
 Marker ``requires_vllm`` (registered here; or use ``kvtier.testkit.requires_vllm``, a
 plain ``skipif``) skips a test where vLLM cannot be imported.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.testkit import make_tiny_llama, vllm_available
+from kvtier.testkit import make_tiny_hybrid, make_tiny_llama, vllm_available
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -45,3 +46,9 @@ def tiny_model() -> Path:
 def tiny_sliding_window_model() -> Path:
     """Folder of a tiny Mistral with a 64-token sliding window."""
     return make_tiny_llama(sliding_window=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_model() -> Path:
+    """Folder of a tiny hybrid Qwen3-Next (see :func:`kvtier.testkit.make_tiny_hybrid`)."""
+    return make_tiny_hybrid()
