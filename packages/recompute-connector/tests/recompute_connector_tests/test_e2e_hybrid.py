@@ -26,7 +26,8 @@ from kvtier.testkit import (
     requires_vllm,
     run_with,
 )
-from recompute_connector_tests.e2e_support import ConnectorRun, run_connector, standalone
+
+from .e2e_support import ConnectorRun, run_connector, standalone
 
 MIN_PREEMPTIONS = 5
 
