@@ -362,10 +362,11 @@ def pd(session: nox.Session) -> None:
         str(store / "test_storetier.py"), str(store / "test_store_e2e.py"),
         env={"KVTIER_PD_MOONCAKE": "1", "KVTIER_REQUIRE_MOONCAKE": "1"},
     )  # fmt: skip
-    # The store tier against Mooncake's client on the same bytes (bench-tiering's (d)).
+    # The store tier against Mooncake's client on the same bytes (bench-tiering's (d)),
+    # best of 4: with 2, the get ratio printed 0.86x to 1.01x from run to run.
     session.run(
         "python", "-m", "kvtier.tiering_spec.bench",
-        "--skip-fs", "--skip-workload", "--skip-startup", "--repeat", "2",
+        "--skip-fs", "--skip-workload", "--skip-startup", "--repeat", "4",
     )  # fmt: skip
 
 
