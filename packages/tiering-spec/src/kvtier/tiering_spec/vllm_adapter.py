@@ -670,7 +670,8 @@ class KvtierOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         keys = list(keys)
         pool = self.core.pool
-        self._note_reuse(req_context, [k for k in keys if pool.contains(k)])
+        # A generator: where vLLM keeps no request state (before 0.32) nothing is probed.
+        self._note_reuse(req_context, (k for k in keys if pool.contains(k)))
         plan = self.core.prepare_store(keys)
         if plan is None:
             return None
