@@ -51,9 +51,9 @@ NEGATIVE_TTL_S = 2.0
 # Back-off after a failed store call: doubled per failure up to the maximum.
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
-# Keys the index remembers (least recently used dropped first).
 REGION_POLL_S = 0.05
 """How often the connect thread looks for host regions not mapped yet (seconds)."""
+# Keys the index remembers (least recently used dropped first).
 MAX_INDEX_ENTRIES = 1_000_000
 SHUTDOWN_TIMEOUT_S = 10.0
 # Mooncake's error code for an object that does not exist (evicted or never put).
@@ -218,15 +218,15 @@ class StoreTier(TierJobs):
         views = self._region_views()
         if views is None:
             return False
-        for view in views:
-            addr = _address(view)
+        addrs = [_address(view) for view in views]
+        for addr, view in zip(addrs, views):
             if addr in self._registered:
                 continue
             if client.register_buffer(addr, len(view)) != 0:
                 raise RuntimeError("registering the host region failed")
             self._registered.add(addr)
         self._views = views
-        self._regions = [_address(view) for view in views]
+        self._regions = addrs
         return True
 
     # ----------------------------------------------------------------- queries
