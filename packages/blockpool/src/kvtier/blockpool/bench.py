@@ -12,6 +12,14 @@ the ratio kvtier / vLLM. vLLM's ``CPUOffloadingManager`` is measured when vLLM i
 importable (it looks keys up one at a time, so a batch lookup is a loop there).
 The bar is every operation at least ``RATIO_BAR`` times vLLM's calls per second;
 the last lines name the lowest ratio and any operation below the bar.
+
+    python -m kvtier.blockpool.bench --steps
+
+measures what those calls cost per scheduler step instead: a decode batch of
+running requests replays vLLM 0.23's offloading connector, which stores each new
+block and then touches every key of the request (vLLM 0.32 and later touch a
+request's keys once, when it finishes). The table gives microseconds per step in
+stores and in touches, for kvtier's ARC pool and vLLM's ARC manager.
 """
 
 from __future__ import annotations
@@ -233,6 +241,112 @@ def measure(n_keys: int, repeats: int, with_vllm: bool, progress: bool) -> dict[
     return {"keys": n_keys, "repeats": repeats, "ops": results}
 
 
+# Decode batches for --steps: (running requests, context tokens, tokens per block).
+STEP_SHAPES = ((64, 16_384, 128), (256, 16_384, 16), (256, 32_768, 16))
+STEP_ROUNDS = 2
+
+
+def _without_context(method: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    """``method(keys)`` called as vLLM's manager is, ``(keys, req_context)``."""
+    return lambda keys, _req_context: method(keys)
+
+
+def measure_steps(shape: tuple[int, int, int], with_vllm: bool, repeats: int) -> dict[str, float]:
+    """Microseconds per scheduler step in stores and touches, vLLM 0.23's call pattern.
+
+    Every request decodes one token a step; a request whose tokens fill a block
+    stores the block (prepare and complete) and touches all its keys, its prefix
+    first. Requests are staggered so that ``requests / block_tokens`` store each step.
+    Runs ``STEP_ROUNDS * block_tokens`` steps, so that every request stores (and
+    touches) ``STEP_ROUNDS`` times: its first touch moves its keys from T1 to T2,
+    later ones within T2. Best of ``repeats``.
+    """
+    requests, context, block_tokens = shape
+    per_request = context // block_tokens + STEP_ROUNDS  # blocks cached + blocks stored
+    keys = make_keys(requests * per_request)
+    prefixes = [keys[i * per_request : (i + 1) * per_request] for i in range(requests)]
+    capacity = len(keys) + 64  # room for every block: the steps measure no eviction
+    steps = STEP_ROUNDS * block_tokens
+
+    def run(
+        store: Callable[..., Any],
+        done: Callable[..., Any],
+        touch: Callable[..., Any],
+        ctx: list[Any],
+    ) -> tuple[float, float]:
+        held = [p[:-STEP_ROUNDS] for p in prefixes]  # the contexts so far, cached
+        for i, request_keys in enumerate(held):
+            store(request_keys, ctx[i])
+            done(request_keys, ctx[i])
+        clock = time.perf_counter
+        stores = touches = 0.0
+        gc.collect()
+        gc.disable()
+        try:
+            for step in range(steps):
+                for i in range(step % block_tokens, requests, block_tokens):  # its stores
+                    new = prefixes[i][len(held[i]) : len(held[i]) + 1]
+                    t0 = clock()
+                    store(new, ctx[i])
+                    done(new, ctx[i])
+                    t1 = clock()
+                    held[i] = prefixes[i][: len(held[i]) + 1]
+                    touch(held[i], ctx[i])
+                    stores += t1 - t0
+                    touches += clock() - t1
+        finally:
+            gc.enable()
+        return stores, touches
+
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        pool = HostBlockPool(capacity, eviction_policy="arc")
+        none = [None] * requests
+        timings = {
+            "kvtier": run(
+                _without_context(pool.prepare_store),
+                _without_context(pool.complete_store),
+                _without_context(pool.touch),
+                none,
+            )
+        }
+        if with_vllm:
+            from vllm.v1.kv_offload.base import ReqContext
+            from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+            mgr: Any = CPUOffloadingManager(num_chunks=capacity, cache_policy="arc")
+            ctxs = [ReqContext(req_id=f"r{i}") for i in range(requests)]
+            timings["vllm"] = run(mgr.prepare_store, mgr.complete_store, mgr.touch, ctxs)
+        for name, (stores, touches) in timings.items():
+            for part, secs in (("store", stores), ("touch", touches)):
+                us = secs * 1e6 / steps
+                key = f"{name}_{part}_us"
+                best[key] = min(best.get(key, us), us)
+    best["keys_touched_per_step"] = requests * (context // block_tokens + 1.5) / block_tokens
+    return best
+
+
+def format_steps(rows: list[tuple[tuple[int, int, int], dict[str, float]]]) -> str:
+    header = (
+        f"{'requests':>9}{'context':>9}{'block':>7}{'keys touched':>14}"
+        f"{'kvtier store':>14}{'kvtier touch':>14}"
+    )
+    has_vllm = any("vllm_touch_us" in r for _, r in rows)
+    if has_vllm:
+        header += f"{'vLLM touch':>12}{'touch ratio':>13}"
+    lines = ["microseconds per scheduler step (vLLM 0.23's calls)", header, "-" * len(header)]
+    for (requests, context, block), r in rows:
+        line = (
+            f"{requests:>9}{context:>9}{block:>7}{r['keys_touched_per_step']:>14,.0f}"
+            f"{r['kvtier_store_us']:>14,.0f}{r['kvtier_touch_us']:>14,.0f}"
+        )
+        if has_vllm:
+            ratio = r["vllm_touch_us"] / r["kvtier_touch_us"]
+            line += f"{r['vllm_touch_us']:>12,.0f}{ratio:>12.2f}x"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def format_table(report: dict[str, Any]) -> str:
     ops = report["ops"]
     has_vllm = any("vllm_per_s" in v for v in ops.values())
@@ -269,12 +383,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--no-vllm", action="store_true", help="measure kvtier only")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--steps", action="store_true", help="cost per scheduler step of vLLM 0.23's calls"
+    )
     args = parser.parse_args(argv)
     if args.keys < 64:
         parser.error("--keys must be at least 64")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     with_vllm = not args.no_vllm and vllm_available()
+    if args.steps:
+        rows = [(shape, measure_steps(shape, with_vllm, args.repeats)) for shape in STEP_SHAPES]
+        print(format_steps(rows))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps([{"shape": s, **r} for s, r in rows], indent=2))
+        return 0
     report = measure(args.keys, args.repeats, with_vllm, progress=not args.no_progress)
     print(format_table(report))
     if args.json:
