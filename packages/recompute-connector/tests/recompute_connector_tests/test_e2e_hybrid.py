@@ -107,13 +107,15 @@ def test_preempted_hybrid_requests_resume_exactly_without_recompute(
 
 
 def test_budget_too_small_for_any_hybrid_request_falls_back_cleanly(
-    tiny_hybrid_model: Path, hybrid_reference: WorkloadResult
+    tiny_hybrid_model: Path, hybrid_without_connector: WorkloadResult
 ) -> None:
     # One host block of 128 KiB: a request needs its attention blocks and its state block.
+    # Every preemption is recomputed, so the run is vLLM's own: a recomputed bfloat16
+    # state may differ from the unpreempted run's, so that is not the reference here.
     run = hybrid_run(tiny_hybrid_model, cpu_bytes_to_use_per_rank=131072)
     preemptions = run.result.preemptions
     assert preemptions >= MIN_PREEMPTIONS, preemptions
-    assert_identical(hybrid_reference, run)
+    assert_identical(hybrid_without_connector, run)
     assert run.counter("tokens_restored") == 0
     assert run.fallbacks().get("capacity", 0) == preemptions, run.fallbacks()
     assert_pool_empty(run)
@@ -133,12 +135,13 @@ def test_corrupted_linear_attention_state_changes_outputs(
 
 
 def test_failed_hybrid_restores_never_reach_vllm_as_failed_blocks(
-    tiny_hybrid_model: Path, hybrid_reference: WorkloadResult
+    tiny_hybrid_model: Path, hybrid_without_connector: WorkloadResult
 ) -> None:
     # vLLM 0.32 raises on failed blocks with several KV cache groups: the failure is
-    # caught before the tokens are claimed, and the request is recomputed.
+    # caught before the tokens are claimed, and the request is recomputed, as vLLM
+    # alone recomputes it.
     run = hybrid_run(tiny_hybrid_model, kvtier_test_fail_loads=True)
-    assert_identical(hybrid_reference, run)
+    assert_identical(hybrid_without_connector, run)
     assert run.fallbacks().get("load_failed", 0) > 0, run.fallbacks()
     assert run.counter("tokens_restored") == 0
     assert_pool_empty(run)
