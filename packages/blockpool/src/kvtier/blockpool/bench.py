@@ -322,7 +322,9 @@ def measure_steps(shape: tuple[int, int, int], with_vllm: bool, repeats: int) ->
                 us = secs * 1e6 / steps
                 key = f"{name}_{part}_us"
                 best[key] = min(best.get(key, us), us)
-    best["keys_touched_per_step"] = requests * (context // block_tokens + 1.5) / block_tokens
+    # A request's touches cover its cached blocks plus 1, ..., STEP_ROUNDS stored ones.
+    mean_touched = context // block_tokens + (STEP_ROUNDS + 1) / 2
+    best["keys_touched_per_step"] = requests * mean_touched / block_tokens
     return best
 
 
