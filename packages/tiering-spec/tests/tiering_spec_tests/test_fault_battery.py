@@ -260,8 +260,9 @@ def test_a_link_under_a_block_name_is_neither_indexed_nor_read(tmp_path: Path) -
     assert not again.contains(key_digest(b"other"))
     # Even a read of that path with the target's own key refuses to follow the link.
     with pytest.raises(OSError):
+        shard, name = again._where(key_digest(b"other"))
         again._read_file(
-            planted, again.fingerprints[0], key_digest(b"k"), memoryview(region)[payload:]
+            0, shard, name, again.fingerprints[0], key_digest(b"k"), memoryview(region)[payload:]
         )
     assert bytes(region[payload:]) == bytes(payload)
     again.shutdown()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -417,46 +416,15 @@ def parse_mooncake_tier(raw: Mapping[str, Any], where: str) -> MooncakeTierConfi
     )
 
 
-def check_private_directory(path: str, key: str) -> None:
-    """Refuse ``path`` unless it is a real directory (no symlink) of this process's user
-    that neither group nor others can write: files there are loaded into the KV cache."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(
-            f"{key}: {path!r} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}; "
-            "kvtier follows no links for its files: point root_dir at the real directory"
-        )
-    uid = os.geteuid()
-    if st.st_uid != uid:
-        raise ConfigError(
-            f"{key}: directory {path!r} belongs to uid {st.st_uid}, not to this engine's user "
-            f"(uid {uid}); another user could plant KV there. Fix: chown {uid} {path!r}, or "
-            "choose a root_dir of this user"
-        )
-    if st.st_mode & 0o022:
-        raise ConfigError(
-            f"{key}: directory {path!r} is writable by group or others (mode "
-            f"{stat.S_IMODE(st.st_mode):o}); another user could plant KV there. Fix: "
-            f"chmod go-w {path!r}"
-        )
-
-
-def make_private_directory(path: str, key: str) -> None:
-    """Create ``path`` (mode 0700) if missing, then :func:`check_private_directory`."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    check_private_directory(path, key)
-
-
 def check_directory(path: str, key: str) -> None:
-    """Create ``path`` (mode 0700) if missing and check it is a writable directory of
-    this user (see :func:`check_private_directory`)."""
+    """Create ``path`` and its missing parents (mode 0700) and check it is a writable
+    directory of this user that no other user can change (see ``fsdirs``)."""
+    # fsdirs imports this module for ConfigError.
+    from kvtier.tiering_spec.fsdirs import make_private_dirs
+
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key}={path!r} exists and is not a directory")
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{key}={path!r} cannot be created: {exc.strerror or exc}") from None
-    check_private_directory(path, key)
+    make_private_dirs(path, key)
     try:
         fd, probe = tempfile.mkstemp(prefix=".kvtier-probe-", dir=path)
     except OSError as exc:

@@ -38,7 +38,6 @@ import logging
 import mmap
 import os
 import queue
-import shutil
 import stat
 import threading
 import time
@@ -48,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.tiering_spec import fsformat
-from kvtier.tiering_spec.config import ConfigError, FsTierConfig, make_private_directory
+from kvtier.tiering_spec.config import ConfigError, FsTierConfig
+from kvtier.tiering_spec.fsdirs import DIR_FLAGS, TierDirs
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -62,7 +62,10 @@ FAULT_KINDS = (
     "write_failed",
     "timeout",
     "unreachable",  # a store tier's store did not answer
+    "foreign",  # a file this tier did not write: another owner, a link, no regular file
 )
+# Faults whose file is removed at once: damaged, or not this tier's.
+_REMOVED_FAULTS = ("corrupt", "truncated", "foreign")
 _STALE_TMP_S = 3600.0
 # Without capacity_bytes the tier may fill this share of the free space it found.
 DEFAULT_FREE_FRACTION = 0.5
@@ -70,8 +73,6 @@ DEFAULT_FREE_FRACTION = 0.5
 STALE_FINGERPRINT_AGE_S = 7 * 86400.0
 # How often the background thread looks for files written by other engines.
 DISCOVER_INTERVAL_S = 1.0
-# A disk-full write evicts at least this many entries before its one retry.
-ENOSPC_EVICT_ENTRIES = 8
 # How long shutdown waits for I/O threads (a hung mount must not hang the engine).
 SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -79,6 +80,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 _pwritev = os.pwritev
 _preadv = os.preadv
 _rename = os.rename
+_fstatvfs = os.fstatvfs
 
 
 @dataclass
@@ -188,15 +190,18 @@ class _Entry:
         self.key = key
 
 
-def probe_o_direct(directory: str) -> bool:
-    """Whether O_DIRECT writes and reads of an aligned 4096-byte block work in ``directory``."""
+def probe_o_direct(directory: str, dir_fd: int | None = None) -> bool:
+    """Whether O_DIRECT writes and reads of an aligned 4096-byte block work in
+    ``directory`` (the folder held by ``dir_fd`` when given)."""
     if not O_DIRECT:
         return False
-    path = os.path.join(directory, f"{fsformat.TMP_PREFIX}odirect-probe-{os.getpid()}")
+    name = f"{fsformat.TMP_PREFIX}odirect-probe-{os.getpid()}"
+    path = name if dir_fd is not None else os.path.join(directory, name)
     buf = mmap.mmap(-1, fsformat.ALIGNMENT)
     try:
         buf[:8] = b"kvtier!!"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | O_DIRECT
+        fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
         try:
             if os.pwritev(fd, [buf], 0) != fsformat.ALIGNMENT:
                 return False
@@ -213,7 +218,7 @@ def probe_o_direct(directory: str) -> bool:
     finally:
         buf.close()
         try:
-            os.unlink(path)
+            os.unlink(path, dir_fd=dir_fd)
         except OSError:
             pass
 
@@ -229,10 +234,11 @@ class ScanReport:
     removed_fingerprints: list[str] = field(default_factory=list)
 
 
-def _free_bytes(path: str) -> int:
-    """Bytes an unprivileged writer may still put on ``path``'s filesystem."""
+def _free_bytes(dir_fd: int) -> int:
+    """Bytes an unprivileged writer may still put on the filesystem of the folder
+    held by ``dir_fd``."""
     try:
-        st = os.statvfs(path)
+        st = _fstatvfs(dir_fd)
     except OSError:
         return 0
     return int(st.f_bavail) * int(st.f_frsize)
@@ -252,6 +258,51 @@ def _named_entry(entry: os.DirEntry[str]) -> tuple[bytes, os.stat_result] | None
 def _is_block_file(st: os.stat_result, file_bytes: int) -> bool:
     """A regular file (no symlink, no FIFO) of exactly a block file's size."""
     return stat.S_ISREG(st.st_mode) and st.st_size == file_bytes
+
+
+def _foreign(st: os.stat_result) -> str | None:
+    """Why a file found under a block file's name was not written by this tier (another
+    user's, a hard link, not a regular file), or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}"
+    if st.st_nlink != 1:
+        return f"{st.st_nlink} links"
+    return None
+
+
+def _own_block_file(st: os.stat_result, file_bytes: int) -> bool:
+    """A block file this tier may index: this user's, one link, the right size."""
+    return _foreign(st) is None and st.st_size == file_bytes
+
+
+def _remove_tree(name: str, dir_fd: int) -> None:
+    """Remove folder ``name`` under ``dir_fd`` and everything in it, following no link
+    (errors ignored: what stays is tried again at the next start)."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        for child, is_dir in entries:
+            if is_dir:
+                _remove_tree(child, fd)
+            else:
+                try:
+                    os.unlink(child, dir_fd=fd)
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
 class FileSystemTier(TierJobs):
@@ -304,23 +355,26 @@ class FileSystemTier(TierJobs):
         self._region_views = region_views
         self._views: Sequence[memoryview] | None = None
         self.fingerprints = [fsformat.layout_fingerprint(layout) for layout in layouts]
-        base = os.path.join(cfg.root_dir, fsformat.FORMAT_DIR)
-        self.dirs: list[str] = []
-        for d in (cfg.root_dir, base):
-            make_private_directory(d, "fs tier directory")
-        for fp, layout in zip(self.fingerprints, layouts):
-            d = os.path.join(base, fp.hex())
-            make_private_directory(d, "fs tier directory")
-            for shard in range(fsformat.NUM_SHARDS):
-                make_private_directory(os.path.join(d, f"{shard:x}"), "fs tier directory")
-            desc = os.path.join(d, "layout.json")
-            if not os.path.exists(desc):
-                self._write_small_file(desc, json.dumps(dict(layout), indent=2, sort_keys=True))
-            self.dirs.append(d)
-        self.direct = probe_o_direct(self.dirs[0])
-        self._free_at_start = _free_bytes(cfg.root_dir)
+        # Every folder is checked and held open from here on; files are reached only
+        # relative to these descriptors.
+        self.fsdirs = TierDirs(cfg.root_dir, [fp.hex() for fp in self.fingerprints], "fs tier")
+        self.dirs = [self.fsdirs.fingerprint_path(rank) for rank in range(self.world_size)]
+        for rank, layout in enumerate(layouts):
+            fp_fd = self.fsdirs.fingerprint(rank)
+            try:
+                os.stat("layout.json", dir_fd=fp_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                text = json.dumps(dict(layout), indent=2, sort_keys=True)
+                self._write_small_file(fp_fd, "layout.json", text)
+        self.direct = probe_o_direct(self.dirs[0], dir_fd=self.fsdirs.fingerprint(0))
+        self._free_at_start = _free_bytes(self.fsdirs.root)
         if self.capacity_is_default:
             self.capacity_bytes = self._default_capacity(0)
+        # What capacity_bytes returns to after a full disk lowered it.
+        self.target_capacity = self.capacity_bytes
+        # Free bytes seen by the last write that found the disk full, and by the
+        # background thread while the capacity is lowered (None: not looked).
+        self._free_seen: int | None = None
         self.enable_events = enable_events
         self._events: list[tuple[bool, list[bytes]]] = []
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -361,8 +415,14 @@ class FileSystemTier(TierJobs):
         self._scan_result: list[Any] = []
         self.scan_done = threading.Event()
         self._stop = threading.Event()
-        self._discovered: deque[set[bytes]] = deque()
-        self._shard_mtimes: dict[str, int] = {}
+        # What the background thread found on disk and poll() has not taken in yet: one
+        # set at most, of files not reported before.
+        self._found_lock = threading.Lock()
+        self._found: set[bytes] = set()
+        # Per shard, the entries last seen on disk (reported or this tier's own): a
+        # later look reports only what is new. At most the files on disk.
+        self._seen: list[set[bytes]] = [set() for _ in range(fsformat.NUM_SHARDS)]
+        self._shard_mtimes: dict[tuple[int, int], int] = {}
         self._scanner = threading.Thread(
             target=self._scan_in_background, name="kvtier-fs-scan", daemon=True
         )
@@ -393,14 +453,15 @@ class FileSystemTier(TierJobs):
     # ----------------------------------------------------------------- start-up
 
     @staticmethod
-    def _write_small_file(path: str, text: str) -> None:
-        tmp = f"{path}{fsformat.TMP_PREFIX}{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    def _write_small_file(dir_fd: int, name: str, text: str) -> None:
+        tmp = f"{name}{fsformat.TMP_PREFIX}{os.getpid()}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
         try:
             os.write(fd, text.encode())
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
     def _scan_in_background(self) -> None:
         try:
@@ -413,57 +474,78 @@ class FileSystemTier(TierJobs):
         while not self._stop.wait(DISCOVER_INTERVAL_S):
             try:
                 found = self._discover()
+                if self.capacity_bytes != self.target_capacity:
+                    self._free_seen = _free_bytes(self.fsdirs.root)
             except Exception:  # never fatal: the next round tries again
                 continue
             if found:
-                self._discovered.append(found)
+                with self._found_lock:
+                    self._found |= found
+
+    def _scandir(self, rank: int, shard: int) -> list[tuple[bytes, os.stat_result]]:
+        """(digest, lstat) of the entries named like block files in one shard folder."""
+        out = []
+        with os.scandir(self.fsdirs.shard(rank, shard)) as it:
+            for entry in it:
+                named = _named_entry(entry)
+                if named is not None:
+                    out.append(named)
+        return out
 
     def _discover(self) -> set[bytes]:
-        """Entries on disk for every rank in shard folders changed since the last look
-        (files other engines wrote; this tier's own are indexed already)."""
+        """Entries on disk for every rank, in shard folders changed since the last look,
+        that were not there at that look (files other engines wrote)."""
         found: set[bytes] = set()
         for shard in range(fsformat.NUM_SHARDS):
             changed = False
-            for d in self.dirs:
-                sd = os.path.join(d, f"{shard:x}")
+            for rank in range(self.world_size):
                 try:
-                    mtime = os.stat(sd, follow_symlinks=False).st_mtime_ns
+                    mtime = os.fstat(self.fsdirs.shard(rank, shard)).st_mtime_ns
                 except OSError:
                     continue
-                if self._shard_mtimes.get(sd) != mtime:
-                    self._shard_mtimes[sd] = mtime
+                if self._shard_mtimes.get((rank, shard)) != mtime:
+                    self._shard_mtimes[(rank, shard)] = mtime
                     changed = True
             if not changed:
                 continue
             common: set[bytes] | None = None
-            for d in self.dirs:
-                present: set[bytes] = set()
+            for rank in range(self.world_size):
                 try:
-                    with os.scandir(os.path.join(d, f"{shard:x}")) as it:
-                        for entry in it:
-                            named = _named_entry(entry)
-                            if named is not None and _is_block_file(named[1], self.file_bytes):
-                                present.add(named[0])
+                    entries = self._scandir(rank, shard)
+                    present = {d for d, st in entries if _own_block_file(st, self.file_bytes)}
                 except OSError:
                     present = set()
                 common = present if common is None else common & present
-            found |= common or set()
+            common = common or set()
+            with self._found_lock:
+                found |= common - self._seen[shard]
+                self._seen[shard] = common
         return found
 
-    def _note_own_change(self, shard_dir: str) -> None:
-        """This tier changed ``shard_dir`` (an I/O thread): the background look for other
-        engines' files need not read it again for that. A change by another engine in
-        the same instant goes unseen until the folder changes again (a miss, no harm)."""
-        try:
-            self._shard_mtimes[shard_dir] = os.stat(shard_dir, follow_symlinks=False).st_mtime_ns
-        except OSError:
-            pass
+    def _note_own_change(self, shard: int, digest: bytes, present: bool) -> None:
+        """This tier wrote (``present``) or removed ``digest`` in a shard folder (an I/O
+        thread): the background look for other engines' files need not read the folder
+        again for that, nor report the file. A change by another engine in the same
+        instant goes unseen until the folder changes again (a miss, no harm)."""
+        with self._found_lock:
+            if present:
+                self._seen[shard].add(digest)
+            else:
+                self._seen[shard].discard(digest)
+                self._found.discard(digest)
+        for rank in range(self.world_size):
+            try:
+                mtime = os.fstat(self.fsdirs.shard(rank, shard)).st_mtime_ns
+            except OSError:
+                continue
+            self._shard_mtimes[(rank, shard)] = mtime
 
     def _take_discovered(self) -> None:
         """Index what the background thread found on disk (scheduler thread)."""
-        while self._discovered:
-            self._index_found(self._discovered.popleft())
-            self._make_room(0)
+        with self._found_lock:
+            found, self._found = self._found, set()
+        self._index_found(found)
+        self._make_room(0)
 
     def _index_found(self, digests: Iterable[bytes]) -> None:
         """Index files found on disk as the least recently used entries, each put in
@@ -478,17 +560,20 @@ class FileSystemTier(TierJobs):
     def _scan(self) -> ScanReport:
         """Find the entries every rank has a file for (oldest first) and clean up: stale
         temporary files, block files of the wrong size, and old fingerprints' folders.
-        Runs on the scanner thread: it touches the disk and its report, nothing else."""
+        Runs on the scanner thread: it touches the disk and its report, nothing else.
+        Files that are not this tier's (another owner, links) are neither indexed nor
+        removed."""
         now = time.time()
         report = ScanReport()
         per_rank: list[dict[bytes, float]] = []
-        for d in self.dirs:
+        by_shard: list[set[bytes]] = [set() for _ in range(fsformat.NUM_SHARDS)]
+        for rank in range(self.world_size):
             found: dict[bytes, float] = {}
             for shard in range(fsformat.NUM_SHARDS):
-                sd = os.path.join(d, f"{shard:x}")
+                fd = self.fsdirs.shard(rank, shard)
                 try:
-                    self._shard_mtimes[sd] = os.stat(sd, follow_symlinks=False).st_mtime_ns
-                    it = os.scandir(sd)
+                    self._shard_mtimes[(rank, shard)] = os.fstat(fd).st_mtime_ns
+                    it = os.scandir(fd)
                 except OSError:
                     continue
                 with it:
@@ -496,8 +581,8 @@ class FileSystemTier(TierJobs):
                         report.files += 1
                         if entry.name.startswith(fsformat.TMP_PREFIX):
                             try:
-                                if now - entry.stat().st_mtime > _STALE_TMP_S:
-                                    os.unlink(entry.path)
+                                if now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_S:
+                                    os.unlink(entry.name, dir_fd=fd)
                                     report.removed_tmp += 1
                             except OSError:
                                 pass
@@ -506,13 +591,17 @@ class FileSystemTier(TierJobs):
                         if named is None:
                             continue
                         digest, st = named
-                        if _is_block_file(st, self.file_bytes):
+                        if _foreign(st) is not None:
+                            continue
+                        if st.st_size == self.file_bytes:
                             found[digest] = st.st_mtime
-                        elif stat.S_ISREG(st.st_mode):
+                            if rank == 0:
+                                by_shard[shard].add(digest)
+                        else:
                             # A block file can only have one size here (renamed into
                             # place whole): zero-length or another size is damage.
                             try:
-                                os.unlink(entry.path)
+                                os.unlink(entry.name, dir_fd=fd)
                                 report.removed_bad += 1
                             except OSError:
                                 pass
@@ -521,16 +610,20 @@ class FileSystemTier(TierJobs):
         for found in per_rank[1:]:
             common &= set(found)
         report.entries = sorted(common, key=per_rank[0].__getitem__)
+        with self._found_lock:
+            for shard, digests in enumerate(by_shard):
+                self._seen[shard] |= digests & common
         report.removed_fingerprints = self._remove_old_fingerprints(now)
         return report
 
     def _remove_old_fingerprints(self, now: float) -> list[str]:
         """Remove other fingerprints' folders untouched for ``STALE_FINGERPRINT_AGE_S``."""
-        base = os.path.join(self.cfg.root_dir, fsformat.FORMAT_DIR)
-        mine = {os.path.basename(d) for d in self.dirs}
+        base = self.fsdirs.base
+        mine = {fp.hex() for fp in self.fingerprints}
         removed: list[str] = []
         try:
-            candidates = [e for e in os.scandir(base) if e.name not in mine]
+            with os.scandir(base) as it:
+                candidates = [e for e in it if e.name not in mine]
         except OSError:
             return removed
         for entry in candidates:
@@ -539,15 +632,20 @@ class FileSystemTier(TierJobs):
             ):
                 continue
             try:
-                # A write renames a file into a shard folder, which updates its mtime.
-                newest = max(
-                    [entry.stat(follow_symlinks=False).st_mtime]
-                    + [s.stat(follow_symlinks=False).st_mtime for s in os.scandir(entry.path)]
-                )
+                fd = os.open(entry.name, DIR_FLAGS, dir_fd=base)
             except OSError:
                 continue
+            try:
+                # A write renames a file into a shard folder, which updates its mtime.
+                with os.scandir(fd) as it:
+                    times = [s.stat(follow_symlinks=False).st_mtime for s in it]
+                newest = max([os.fstat(fd).st_mtime, *times])
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
             if now - newest > STALE_FINGERPRINT_AGE_S:
-                shutil.rmtree(entry.path, ignore_errors=True)
+                _remove_tree(entry.name, base)
                 removed.append(entry.name)
         return removed
 
@@ -563,6 +661,7 @@ class FileSystemTier(TierJobs):
         self.stats.files_indexed_at_start = len(report.entries)
         if self.capacity_is_default:
             self.capacity_bytes = self._default_capacity(len(report.entries) * self.entry_bytes)
+            self.target_capacity = self.capacity_bytes
         self._make_room(0)
         logger.info(
             "kvtier fs tier %r: start-up scan found %d files, indexed %d entries (%d bytes) "
@@ -587,9 +686,15 @@ class FileSystemTier(TierJobs):
     # ----------------------------------------------------------------- paths
 
     def paths(self, digest: bytes) -> list[str]:
-        """One file path per rank for a key digest."""
+        """One file path per rank for a key digest (for logs and tools: the tier itself
+        reaches files through its held folders, see :meth:`_where`)."""
         shard, name = fsformat.file_name(digest)
         return [os.path.join(d, shard, name) for d in self.dirs]
+
+    def _where(self, digest: bytes) -> tuple[int, str]:
+        """(shard, file name) of a key digest."""
+        shard, name = fsformat.file_name(digest)
+        return int(shard, 16), name
 
     def _views_now(self) -> Sequence[memoryview] | None:
         if self._views is None:
@@ -672,7 +777,7 @@ class FileSystemTier(TierJobs):
         # A digest being unlinked is neither written nor discovered until the unlink
         # ran, so the unlink cannot remove a newer file of the same name.
         self._unlinking[digest] = self._unlinking.get(digest, 0) + 1
-        self._submit(self._writers, self._unlink_task, digest, self.paths(digest))
+        self._submit(self._writers, self._unlink_task, digest)
 
     def _unlinked(self, digest: bytes) -> None:
         count_down(self._unlinking, digest)
@@ -722,7 +827,7 @@ class FileSystemTier(TierJobs):
             digest,
             block_id,
             views,
-            None if reuse is None else self.paths(reuse),
+            reuse,
         )
         return True
 
@@ -742,8 +847,10 @@ class FileSystemTier(TierJobs):
         """Finished jobs since the last call; updates the index and counters."""
         if self._scan_result:
             self._take_scan()
-        if self._discovered:
+        if self._found:
             self._take_discovered()
+        if self._free_seen is not None and self.capacity_bytes != self.target_capacity:
+            self._regrow()
         out: list[FsResult] = []
         results = self._results
         while results:
@@ -778,26 +885,38 @@ class FileSystemTier(TierJobs):
                     self._fault(res.fault or "unreadable", res)
                     # A bad file is removed so it is never tried again; an unreadable
                     # one may be another process's, so it is only forgotten.
-                    self._forget(digest, res.key, unlink=res.fault in ("corrupt", "truncated"))
+                    self._forget(digest, res.key, unlink=res.fault in _REMOVED_FAULTS)
             out.append(res)
         self.stats.used_bytes = self._used
         self.stats.entries = len(self._index)
         return out
 
+    def _floor(self) -> int:
+        """The least a full disk lowers the capacity to: one entry per write thread, so
+        that every writer can still have a block in flight (below that, each write would
+        evict the entry another writer just made), and never above the target."""
+        target = self.target_capacity or self.entry_bytes
+        return min(target, max(self.entry_bytes, self.cfg.n_write_threads * self.entry_bytes))
+
     def _retry_on_full_disk(self, res: FsResult, digest: bytes) -> bool:
-        """The disk filled up before the tier's capacity did: hold no more than what is
-        on disk now less ``ENOSPC_EVICT_ENTRIES`` entries (logged), evict least recently
-        used entries down to that, and write once more. False (not retried) for a
-        second failure of the same write, or when no room can be made."""
+        """The disk filled up before the tier's capacity did: hold no more than this
+        tier's files plus what the disk shows free (never less than :meth:`_floor`;
+        logged), evict least recently used entries down to that, and write once more.
+        The capacity grows back as the disk shows room again (:meth:`_regrow`). False
+        (not retried) for a second failure of the same write, or when no room can be
+        made."""
         if digest in self._retried or self._closed or self._views is None:
             self._retried.discard(digest)
             return False
-        lowered = max(self.entry_bytes, self._used - (ENOSPC_EVICT_ENTRIES - 1) * self.entry_bytes)
+        free = self._free_seen or 0
+        lowered = max(self._floor(), self._used + free)
         if self.capacity_bytes is None or self.capacity_bytes > lowered:
             logger.warning(
-                "kvtier fs tier %r: the disk is full with %d bytes of this tier's files; "
-                "capacity lowered from %s to %d bytes, least recently used files evicted",
+                "kvtier fs tier %r: the disk is full (%d bytes free) with %d bytes of this "
+                "tier's files; capacity lowered from %s to %d bytes until the disk shows "
+                "room again, least recently used files evicted",
                 self.name,
+                free,
                 self._used,
                 self.capacity_bytes,
                 lowered,
@@ -811,6 +930,26 @@ class FileSystemTier(TierJobs):
         self._reserved += self.entry_bytes
         self._submit(self._writers, self._write_task, res.key, digest, res.block_id, self._views)
         return True
+
+    def _regrow(self) -> None:
+        """After a full disk: raise the capacity toward its target as far as the room the
+        background thread last saw allows (scheduler thread)."""
+        free, self._free_seen = self._free_seen or 0, None
+        cap, target = self.capacity_bytes, self.target_capacity
+        if cap is None or target is None or cap >= target:
+            return
+        grown = min(target, self._used + self._reserved + free)
+        if grown > cap:
+            self.capacity_bytes = grown
+            logger.info(
+                "kvtier fs tier %r: the disk shows %d bytes free again; capacity raised from "
+                "%d to %d bytes (target %d)",
+                self.name,
+                free,
+                cap,
+                grown,
+                target,
+            )
 
     def _fault(self, kind: str, res: FsResult) -> None:
         self._faults[kind] = self._faults.get(kind, 0) + 1
@@ -859,8 +998,10 @@ class FileSystemTier(TierJobs):
             self._timed_out(f"shutdown: I/O thread(s) {', '.join(stuck)} still in a call")
         self._views = None
         if self.ephemeral:
-            for d in self.dirs:
-                shutil.rmtree(d, ignore_errors=True)
+            for fp in self.fingerprints:
+                _remove_tree(fp.hex(), self.fsdirs.base)
+        if not stuck:  # a thread still in a call may yet use the descriptors
+            self.fsdirs.close()
         return not stuck
 
     # ----------------------------------------------------------------- I/O threads
@@ -878,13 +1019,11 @@ class FileSystemTier(TierJobs):
         start = block_id * self.payload_bytes
         return views[rank][start : start + self.payload_bytes]
 
-    def _tmp_name(self, directory: str) -> str:
+    def _tmp_name(self) -> str:
         with self._tmp_lock:
             self._tmp_counter += 1
             n = self._tmp_counter
-        return os.path.join(
-            directory, f"{fsformat.TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{n}"
-        )
+        return f"{fsformat.TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{n}"
 
     def _write_task(
         self,
@@ -892,34 +1031,41 @@ class FileSystemTier(TierJobs):
         digest: bytes,
         block_id: int,
         views: Sequence[memoryview],
-        reuse: list[str] | None = None,
+        reuse: bytes | None = None,
     ) -> None:
         t0 = time.perf_counter()
-        done: list[str] = []
+        shard, name = self._where(digest)
+        done: list[int] = []
         # Evicted files not taken over (one found changed, or a write failed first)
         # are removed; a taken-over one no longer has its name.
-        leftover = list(reuse or [])
+        leftover = list(range(self.world_size)) if reuse is not None else []
         fault: str | None = None
         try:
-            for rank, path in enumerate(self.paths(digest)):
-                tmp = self._tmp_name(os.path.dirname(path))
-                old = None if reuse is None else reuse[rank]
-                exists = False
-                if old is not None and self._take_over(old, tmp):
-                    leftover.remove(old)
-                    exists = True
+            for rank in range(self.world_size):
+                tmp = self._tmp_name()
+                fd = None
+                if reuse is not None:
+                    fd = self._take_over(rank, reuse, shard, tmp)
+                    if fd is not None:
+                        leftover.remove(rank)
                 payload = self._payload(views, rank, block_id)
-                self._write_file(path, tmp, exists, self.fingerprints[rank], digest, payload)
-                done.append(path)
+                fp = self.fingerprints[rank]
+                self._write_file(rank, shard, name, tmp, fd, fp, digest, payload)
+                done.append(rank)
         except OSError as exc:
             fault = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "write_failed"
+            if fault == "disk_full":
+                self._free_seen = _free_bytes(self.fsdirs.root)
         except Exception:
             fault = "write_failed"
-        for path in (done if fault is not None else []) + leftover:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        if fault is not None:
+            self._remove(shard, name, done)
+        else:
+            self._note_own_change(shard, digest, True)
+        if reuse is not None:
+            old_shard, old_name = self._where(reuse)
+            self._remove(old_shard, old_name, leftover)
+            self._note_own_change(old_shard, reuse, False)
         self._results.append(
             FsResult(
                 "write",
@@ -932,120 +1078,142 @@ class FileSystemTier(TierJobs):
             )
         )
 
-    def _take_over(self, old: str, tmp: str) -> bool:
-        """Rename the evicted block file ``old`` to ``tmp`` for a write to overwrite in
-        place: on some filesystems making a file costs more CPU than writing a MiB into
-        one. False (nothing taken) unless ``old`` is a plain block file of this user
-        with no other link; a reader still holding it open then fails its checksum."""
+    def _remove(self, shard: int, name: str, ranks: Iterable[int]) -> None:
+        for rank in ranks:
+            try:
+                os.unlink(name, dir_fd=self.fsdirs.shard(rank, shard))
+            except OSError:
+                pass
+
+    def _take_over(self, rank: int, old: bytes, shard: int, tmp: str) -> int | None:
+        """Open the evicted block file of digest ``old`` for a write to overwrite in
+        place (on some filesystems making a file costs more CPU than writing a MiB into
+        one), and rename it to ``tmp`` in ``shard``. Its times are refreshed first, so
+        that no start-up scan of another engine takes it for a stale temporary file
+        while it is written. None (nothing taken) unless it is a plain block file of
+        this user with no other link; a reader still holding it open then fails its
+        checksum."""
+        old_shard, old_name = self._where(old)
+        src = self.fsdirs.shard(rank, old_shard)
+        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | (O_DIRECT if self.direct else 0)
         try:
-            os.rename(old, tmp)
+            fd = os.open(old_name, flags, dir_fd=src)
         except OSError:
-            return False
+            return None
         try:
-            st = os.lstat(tmp)
+            st = os.fstat(fd)
+            if not _own_block_file(st, self.file_bytes):
+                raise OSError(errno.EPERM, "not this tier's block file")
+            os.utime(fd)
+            os.rename(old_name, tmp, src_dir_fd=src, dst_dir_fd=self.fsdirs.shard(rank, shard))
         except OSError:
-            return False
-        if (
-            stat.S_ISREG(st.st_mode)
-            and st.st_nlink == 1
-            and st.st_uid == os.geteuid()
-            and st.st_size == self.file_bytes
-        ):
-            self.stats.files_reused += 1
-            return True
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
+            os.close(fd)
+            return None
+        self.stats.files_reused += 1
+        return fd
 
     def _write_file(
         self,
-        path: str,
+        rank: int,
+        shard: int,
+        name: str,
         tmp: str,
-        exists: bool,
+        fd: int | None,
         fingerprint: bytes,
         digest: bytes,
         payload: memoryview,
     ) -> None:
-        """Write one block file to ``tmp`` (a new file, or an evicted one taken over when
-        ``exists``), then rename it to ``path``."""
+        """Write one block file to ``tmp`` (a new file, or the taken-over one open as
+        ``fd``), then rename it to ``name``; both in the rank's held shard folder."""
         try:
+            if fd is None:
+                fd = self._create(rank, shard, tmp, self.direct)
             try:
-                self._write_tmp(tmp, exists, fingerprint, digest, payload, self.direct)
+                self._write_fd(fd, fingerprint, digest, payload)
             except OSError as exc:
                 if not (self.direct and exc.errno == errno.EINVAL):
                     raise
                 # O_DIRECT refused the buffer: the same file, written buffered.
-                exists = exists or os.path.lexists(tmp)
-                self._write_tmp(tmp, exists, fingerprint, digest, payload, False)
-            _rename(tmp, path)
+                os.close(fd)
+                fd = None
+                flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                fd = os.open(tmp, flags, dir_fd=self.fsdirs.shard(rank, shard))
+                self._write_fd(fd, fingerprint, digest, payload)
+            folder = self.fsdirs.shard(rank, shard)
+            _rename(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
         except BaseException:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=self.fsdirs.shard(rank, shard))
             except OSError:
                 pass
             raise
-        self._note_own_change(os.path.dirname(path))
+        finally:
+            if fd is not None:
+                os.close(fd)
 
-    def _write_tmp(
-        self,
-        tmp: str,
-        exists: bool,
-        fingerprint: bytes,
-        digest: bytes,
-        payload: memoryview,
-        direct: bool,
-    ) -> None:
+    def _create(self, rank: int, shard: int, tmp: str, direct: bool) -> int:
+        """A new file ``tmp`` in the rank's shard folder; a folder removed while the
+        engine ran is made again first (from its held parent, checked again)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
+        try:
+            return os.open(tmp, flags, 0o600, dir_fd=self.fsdirs.shard(rank, shard))
+        except FileNotFoundError:
+            try:
+                revived = self.fsdirs.revive(rank, shard)
+            except ConfigError as exc:
+                if "revive" not in self._fault_logged:
+                    self._fault_logged.add("revive")
+                    logger.warning(
+                        "kvtier fs tier %r: a folder removed while the engine ran cannot be "
+                        "made again (%s); writes there fail and are recomputed",
+                        self.name,
+                        exc,
+                    )
+                raise OSError(errno.EACCES, str(exc)) from None
+            if not revived:
+                raise
+            self.stats.folders_recreated += 1
+            return os.open(tmp, flags, 0o600, dir_fd=self.fsdirs.shard(rank, shard))
+
+    def _write_fd(self, fd: int, fingerprint: bytes, digest: bytes, payload: memoryview) -> None:
         hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
         crc = fsformat.checksum(payload)
         hdr[: fsformat.HEADER_USED] = fsformat.encode_header(
             fingerprint, digest, self.payload_bytes, crc
         )
-        flags = os.O_WRONLY | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
-        if exists:
-            fd = os.open(tmp, flags | os.O_NONBLOCK)
-        else:
-            flags |= os.O_CREAT | os.O_EXCL
-            try:
-                fd = os.open(tmp, flags, 0o600)
-            except FileNotFoundError:
-                # Its folder was deleted while the engine ran: made again (checked like
-                # the others at start-up), then the write goes on.
-                shard = os.path.dirname(tmp)
-                make_private_directory(os.path.dirname(shard), "fs tier directory")
-                make_private_directory(shard, "fs tier directory")
-                self.stats.folders_recreated += 1
-                fd = os.open(tmp, flags, 0o600)
-        try:
-            total = self.file_bytes
-            written = _pwritev(fd, [hdr, payload], 0)
-            while written < total:  # short writes: continue where it stopped
-                if written < fsformat.HEADER_SIZE:
-                    raise OSError(errno.EIO, "short header write")
-                n = _pwritev(fd, [payload[written - fsformat.HEADER_SIZE :]], written)
-                if n <= 0:
-                    raise OSError(errno.EIO, "pwritev wrote nothing")
-                written += n
-        finally:
-            os.close(fd)
+        total = self.file_bytes
+        written = _pwritev(fd, [hdr, payload], 0)
+        while written < total:  # short writes: continue where it stopped
+            if written < fsformat.HEADER_SIZE:
+                raise OSError(errno.EIO, "short header write")
+            n = _pwritev(fd, [payload[written - fsformat.HEADER_SIZE :]], written)
+            if n <= 0:
+                raise OSError(errno.EIO, "pwritev wrote nothing")
+            written += n
 
     def _read_task(
         self, key: bytes, digest: bytes, block_id: int, views: Sequence[memoryview]
     ) -> None:
         t0 = time.perf_counter()
         fault: str | None = None
+        shard, name = self._where(digest)
         try:
-            for rank, path in enumerate(self.paths(digest)):
+            for rank in range(self.world_size):
                 self._read_file(
-                    path, self.fingerprints[rank], digest, self._payload(views, rank, block_id)
+                    rank,
+                    shard,
+                    name,
+                    self.fingerprints[rank],
+                    digest,
+                    self._payload(views, rank, block_id),
                 )
         except fsformat.FormatError as exc:
             fault = exc.kind
         except FileNotFoundError:
             fault = "vanished"
-        except OSError:
-            fault = "unreadable"
+        except OSError as exc:
+            # O_NOFOLLOW refuses a symlink planted under the block's name with ELOOP.
+            fault = "foreign" if exc.errno == errno.ELOOP else "unreadable"
         except Exception:
             fault = "unreadable"
         self._results.append(
@@ -1060,18 +1228,33 @@ class FileSystemTier(TierJobs):
             )
         )
 
-    def _read_file(self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview) -> None:
+    def _read_file(
+        self,
+        rank: int,
+        shard: int,
+        name: str,
+        fingerprint: bytes,
+        digest: bytes,
+        payload: memoryview,
+    ) -> None:
         """Read with O_DIRECT when the tier uses it; retried buffered if O_DIRECT refuses
         the buffer (EINVAL: not aligned)."""
+        folder = self.fsdirs.shard(rank, shard)
         try:
-            self._read_file_as(path, fingerprint, digest, payload, self.direct)
+            self._read_file_as(folder, name, fingerprint, digest, payload, self.direct)
         except OSError as exc:
             if not (self.direct and exc.errno == errno.EINVAL):
                 raise
-            self._read_file_as(path, fingerprint, digest, payload, False)
+            self._read_file_as(folder, name, fingerprint, digest, payload, False)
 
     def _read_file_as(
-        self, path: str, fingerprint: bytes, digest: bytes, payload: memoryview, direct: bool
+        self,
+        folder: int,
+        name: str,
+        fingerprint: bytes,
+        digest: bytes,
+        payload: memoryview,
+        direct: bool,
     ) -> None:
         hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
         # A file longer than a block file reads into one page of slack.
@@ -1079,8 +1262,14 @@ class FileSystemTier(TierJobs):
         # O_NONBLOCK: a FIFO planted under that name fails the read instead of hanging;
         # O_NOFOLLOW: a symlink planted there fails it instead of reading its target.
         flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
-        fd = os.open(path, flags)
+        fd = os.open(name, flags, dir_fd=folder)
         try:
+            # Whoever could put a file here, only this tier's own are read: this user's,
+            # a regular file with no other link.
+            st = os.fstat(fd)
+            why = _foreign(st)
+            if why is not None:
+                raise fsformat.FormatError("foreign", why)
             want = self.file_bytes
             got = _preadv(fd, [hdr, payload, tail], 0)
             while got < want:
@@ -1100,11 +1289,12 @@ class FileSystemTier(TierJobs):
         if fsformat.checksum(payload) != crc:
             raise fsformat.FormatError("corrupt", "payload checksum mismatch")
 
-    def _unlink_task(self, digest: bytes, paths: list[str]) -> None:
-        for path in paths:
+    def _unlink_task(self, digest: bytes) -> None:
+        shard, name = self._where(digest)
+        for rank in range(self.world_size):
             try:
-                os.unlink(path)
-                self._note_own_change(os.path.dirname(path))
+                os.unlink(name, dir_fd=self.fsdirs.shard(rank, shard))
             except OSError:
                 pass
+        self._note_own_change(shard, digest, False)
         self._results.append(FsResult("unlink", digest, -1, True))

@@ -247,11 +247,11 @@ class TierManager:
     # ------------------------------------------------------------------ completion
 
     def poll(self) -> None:
-        """Apply finished fs reads and writes to the host tier."""
+        """Apply finished fs reads and writes to the host tier. Every tier is polled,
+        jobs in flight or not: a poll also takes in what the tier found on its own (a
+        start-up scan, files other engines wrote, probe answers)."""
         pool = self.pool
         for tier in self.fs_tiers:
-            if not tier.in_flight:
-                continue
             for res in tier.poll():
                 if res.op == "read":
                     if self._promoting.pop(res.key, None) is None:

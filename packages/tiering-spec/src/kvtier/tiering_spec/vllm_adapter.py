@@ -43,9 +43,9 @@ from kvtier.tiering_spec.config import (
     FsTierConfig,
     MooncakeTierConfig,
     OffloadConfig,
-    make_private_directory,
     parse_config,
 )
+from kvtier.tiering_spec.fsdirs import make_private_dirs
 from kvtier.tiering_spec.fsformat import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
@@ -500,7 +500,7 @@ class TieringOffloadingSpec(_KvtierSpec):
                 os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvtier"
             )
         )
-        make_private_directory(digest_dir, "fs tier directory")
+        make_private_dirs(digest_dir, "fs tier directory")
         identity, persistent = self.engine_identity(os.path.join(digest_dir, "weight-digests.json"))
         layouts = self._layouts(identity)
         payload = self.chunk_bytes
