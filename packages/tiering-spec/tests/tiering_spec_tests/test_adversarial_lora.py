@@ -210,3 +210,81 @@ def test_without_lora_every_request_uses_the_fs_tier(model: Path, tmp_path: Path
         assert second.loaded_bytes(BASE_KEY, ctx) == {0xB1}
     finally:
         second.close()
+
+
+# ------------------------------------------------------------------ a real engine with LoRA
+
+
+def write_adapter(path: Path, seed: int, rank: int = 8) -> None:
+    """A PEFT LoRA adapter for the tiny model's key and value projections (so the KV
+    depends on it), with random weights of ``seed``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    hidden = kv_width = 128  # the tiny model: hidden 128, 2 KV heads x 64
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for proj in ("k_proj", "v_proj"):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.3
+            tensors[f"{name}.lora_B.weight"] = torch.randn(kv_width, rank, generator=gen) * 0.3
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": ["k_proj", "v_proj"],
+        "bias": "none",
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_an_engine_restarted_with_a_retrained_adapter_matches_vllm_alone(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The finding end to end: an engine fills the fs tier with LoRA requests; the adapter
+    is retrained at the same path; a restarted engine's outputs must match vLLM alone
+    with the new adapter."""
+    from vllm.lora.request import LoRARequest
+
+    from kvtier.testkit import compare_outputs, greedy_params, kv_transfer_config, llm_session
+    from kvtier.testkit.engine import kv_connector_of
+
+    from .e2e_support import ENGINE, ROOMY, offload_config, prefix_prompts
+
+    # One block-hash seed for every engine (vLLM 0.23 seeds at random per engine).
+    monkeypatch.setenv("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED", "0"))
+    path = tmp_path / "adapter"
+    lora = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    cfg = kv_transfer_config(
+        offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(tmp_path / "fs"))
+    )
+    prompts = [{"prompt_token_ids": list(p)} for p in prefix_prompts()]
+
+    def run(engine: dict[str, Any], **kv: Any) -> tuple[list[list[int]], Any]:
+        with llm_session(model, **engine, **lora, **kv) as llm:
+            results = llm.generate(
+                prompts,
+                greedy_params(8),
+                lora_request=LoRARequest("support-bot", 1, str(path)),
+                use_tqdm=False,
+            )
+            fs = kv_connector_of(llm).connector_scheduler.manager.core.fs_tiers if kv else []
+            stats = fs[0].stats if fs else None
+        return [list(r.outputs[0].token_ids) for r in results], stats
+
+    write_adapter(path, seed=1)
+    _, first = run(ENGINE, kv_transfer_config=cfg)
+    write_adapter(path, seed=2)  # retrained, saved at the same path
+    reference, _ = run(ROOMY)
+    got, second = run(ENGINE, kv_transfer_config=cfg)
+    cmp = compare_outputs(reference, got)
+    assert cmp.identical, "outputs differ from vLLM alone with the new adapter:\n" + cmp.report()
+    assert first.writes == 0 and second.reads == 0, (first, second)
