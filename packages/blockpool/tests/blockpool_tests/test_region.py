@@ -232,7 +232,8 @@ def test_attach_with_wait_s_does_not_map_a_dead_processs_region() -> None:
     try:
         with pytest.raises(FileNotFoundError, match="no live process"):
             HostRegion.attach_shared(name, 2, 4096, wait_s=0.2)
-        # Without wait_s a name is mapped as it is (the scheduler's lazy attach).
-        HostRegion.attach_shared(name, 2, 4096).close()
+        # Without wait_s (the scheduler's lazy attach) it is refused at once, too.
+        with pytest.raises(FileNotFoundError, match="no live process holds"):
+            HostRegion.attach_shared(name, 2, 4096)
     finally:
         os.unlink(path)

@@ -8,7 +8,9 @@ so a too-small ``/dev/shm`` fails at start-up with a clear message instead of a
 
 Liveness of shared regions is tracked with ``flock``: every process that maps a
 region holds a shared lock on its file. A file nobody holds a lock on was left by a
-killed process; ``cleanup_stale_regions`` (run before every create) unlinks it.
+killed process; ``cleanup_stale_regions`` (run before every create) unlinks it, and
+every attach refuses it. A region is checked through the fd it was opened with and
+mapped from that fd.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import re
 import stat
@@ -364,21 +367,30 @@ class HostRegion:
         shm_dir: str = SHM_DIR,
         wait_s: float | None = None,
     ) -> HostRegion:
-        """Map the shared region ``name`` that another process created.
+        """Map the shared region ``name`` that a live process created.
 
-        With ``wait_s``, waits up to that many seconds for a live creator: a missing
-        file, or one no process holds (left by a dead one, to be replaced), is waited
-        out, then ``FileNotFoundError`` says how long it waited.
+        Every attach checks liveness once on the file it opens: a missing file, or one
+        no process holds (left by a dead one, to be replaced), raises
+        ``FileNotFoundError``. With ``wait_s``, such a file is waited out for up to that
+        many seconds first. The file is then checked through its fd (this user's regular
+        file, no access for group or others, the expected size) and mapped from that
+        same fd, never opened again by name.
         """
         size = cls._sizes(num_blocks, block_bytes)
         path = cls._path(name, shm_dir)
-        fd = _open_region_file(path, os.O_RDWR) if wait_s is None else cls._open_live(path, wait_s)
+        fd = cls._open_live(path, wait_s)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            actual = os.fstat(fd).st_size
-            if actual != size:
+            st = os.fstat(fd)
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                raise PermissionError(
+                    f"shared host region {path} has mode {stat.S_IMODE(st.st_mode):o}; kvtier "
+                    "creates its regions 600 and maps no region that another user may open. "
+                    f"Remove it (rm {path}) and start again"
+                )
+            if st.st_size != size:
                 raise ValueError(
-                    f"shared host region {path} holds {actual} bytes, expected "
+                    f"shared host region {path} holds {st.st_size} bytes, expected "
                     f"{num_blocks} blocks x {block_bytes} bytes = {size}: the processes "
                     "disagree on the budget"
                 )
@@ -388,10 +400,11 @@ class HostRegion:
         return cls._map(path, fd, num_blocks, block_bytes, owner=False, pin=pin)
 
     @staticmethod
-    def _open_live(path: str, wait_s: float) -> int:
+    def _open_live(path: str, wait_s: float | None) -> int:
         """An fd of ``path`` once a live process holds it (its creator locks it from the
-        moment it has the name), polling until ``wait_s`` seconds have passed."""
-        deadline = time.monotonic() + max(0.0, wait_s)
+        moment it has the name). Checks once when ``wait_s`` is None, else polls until
+        ``wait_s`` seconds have passed."""
+        deadline = time.monotonic() + max(0.0, wait_s or 0.0)
         while True:
             try:
                 fd = _open_region_file(path, os.O_RDWR)
@@ -409,6 +422,13 @@ class HostRegion:
                     return fd
                 os.close(fd)  # stale: its creator's replacement is on the way
             if time.monotonic() >= deadline:
+                if wait_s is None:
+                    raise FileNotFoundError(
+                        errno.ENOENT,
+                        "no live process holds the shared host region (it is missing, or "
+                        "was left by a dead process)",
+                        path,
+                    )
                 raise FileNotFoundError(
                     errno.ENOENT,
                     f"no live process created the shared host region within {wait_s:g} s",
@@ -430,7 +450,10 @@ class HostRegion:
         cls, path: str, fd: int, num_blocks: int, block_bytes: int, *, owner: bool, pin: bool
     ) -> HostRegion:
         size = num_blocks * block_bytes
-        tensor = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        # From the fd that was checked: opening the name again could map whatever file
+        # was renamed onto it since. The tensor keeps the mapping alive.
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8)
         registered = pin and _cuda_host_register(tensor)
         if registered:
             method = "cuda host registration"

@@ -11,6 +11,9 @@ under vLLM's name ``OffloadingConnector``) turns a failure into recompute instea
   and the manager drops the job's host blocks before vLLM completes the job, so
   they are never loaded.
 
+It also tells a kvtier manager which requests run with a LoRA adapter (only the
+connector sees vLLM's ``Request``): those keep to the host tier.
+
 With any other spec it is vLLM's connector unchanged. On releases without spec
 metrics it builds on :class:`kvtier.tiering_spec.vllm_compat.OffloadingConnector`.
 """
@@ -114,6 +117,16 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         return KvtierWorkerMetadata.of(meta, set(worker.take_failed_stores()))
 
     # -- scheduler side -------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        # Only the connector sees vLLM's Request: tell kvtier's manager whether it runs
+        # with a LoRA adapter before vLLM hands the manager the request's context.
+        manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
+        if isinstance(manager, KvtierOffloadingManager):
+            manager.note_new_request(
+                request.request_id, getattr(request, "lora_request", None) is not None
+            )
+        super().on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

@@ -120,10 +120,11 @@ class TierManager:
 
     # ------------------------------------------------------------------ lookups
 
-    def lookup(self, key: bytes, req_id: str = "") -> Lookup:
+    def lookup(self, key: bytes, req_id: str = "", *, secondary: bool = True) -> Lookup:
         """Whether ``key`` can be loaded now (HIT), soon (HIT_PENDING) or not (MISS).
 
         A host miss that an fs tier holds starts a promotion and reads HIT_PENDING.
+        With ``secondary`` False (a request kept to the host tier) a host miss is a MISS.
         """
         if self._pass_req != req_id:
             self._pass_req = req_id
@@ -138,7 +139,7 @@ class TierManager:
         if pool.is_storing(key):
             self._pass_keys.append(key)
             return Lookup.HIT_PENDING
-        if not self.fs_tiers:
+        if not self.fs_tiers or not secondary:
             return Lookup.MISS
         digest = key_digest(key)
         unknown = False
@@ -216,12 +217,15 @@ class TierManager:
             self.counters.allocation_sizes.append(len(plan.keys))
         return plan.keys, plan.block_ids, plan.evicted
 
-    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
-        """Finish a device store; on success write the new blocks through to each fs tier."""
+    def complete_store(
+        self, keys: Sequence[bytes], success: bool = True, *, secondary: bool = True
+    ) -> None:
+        """Finish a device store; on success write the new blocks through to each fs tier
+        (unless ``secondary`` is False: a request kept to the host tier)."""
         if not success:
             self.counters.store_failures += sum(1 for k in keys if self.pool.is_storing(k))
         self.pool.complete_store(keys, success)
-        if success and self.fs_tiers:
+        if success and secondary and self.fs_tiers:
             self._write_through(keys)
 
     def _write_through(self, keys: Sequence[bytes]) -> None:

@@ -236,6 +236,10 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
         # layout; only the fs tier's fingerprint needs it.
         configs: tuple[Any, Any] = compat.engine_configs(self)
         self.no_loads_reason = _cached_prefix_unusable(configs[0])
+        # Whether requests may carry a LoRA adapter (None: vLLM's config was not found).
+        self.lora_enabled: bool | None = (
+            None if configs[0] is None else getattr(configs[0], "lora_config", None) is not None
+        )
         if not self.settings.secondary_tiers:
             configs = (None, None)
         self._vllm_config, self._kv_cache_config = configs
@@ -599,12 +603,55 @@ class _RequestReuse:
         self.finished = False
 
 
+class _RequestTiers:
+    """Which tiers one request may use: the host tier always, the secondary (persistent)
+    tiers unless the request runs with a LoRA adapter or kvtier cannot tell."""
+
+    __slots__ = ("secondary",)
+
+    def __init__(self, secondary: bool) -> None:
+        self.secondary = secondary
+
+
+# Where vLLM's ReqContext has no per-request state (before 0.32), the mark is an attribute.
+_TIERS_ATTR = "_kvtier_tiers"
+
+
+def _mark_request(req_context: ReqContext, tiers: _RequestTiers) -> None:
+    set_state = getattr(req_context, "set_state", None)
+    if set_state is not None:
+        set_state(tiers)
+        return
+    try:
+        setattr(req_context, _TIERS_ATTR, tiers)
+    except AttributeError:  # unmarked: treated as a request kvtier cannot tell
+        pass
+
+
+def _request_mark(req_context: ReqContext) -> _RequestTiers | None:
+    get_state = getattr(req_context, "get_state", None)
+    if get_state is not None:
+        return cast("_RequestTiers | None", get_state(_RequestTiers))
+    return cast("_RequestTiers | None", getattr(req_context, _TIERS_ATTR, None))
+
+
 class KvtierOffloadingManager(OffloadingManager):
-    """vLLM's ``OffloadingManager`` over :class:`TierManager`."""
+    """vLLM's ``OffloadingManager`` over :class:`TierManager`.
+
+    A request with a LoRA adapter uses the host tier only: vLLM's block hashes name the
+    adapter (0.23: its name; 0.32: its name and path), never its weights, so a file or
+    object in a persistent tier could outlive the adapter it was computed with. kvtier's
+    connector tells the manager which requests carry one (:meth:`note_new_request`);
+    a request it did not announce uses the secondary tiers only where vLLM's config
+    shows LoRA off.
+    """
 
     def __init__(self, spec: _KvtierSpec) -> None:
         self.spec = spec
         self._regions: list[HostRegion] = []
+        # (request id, whether it has a LoRA adapter) of the request being added now.
+        self._arriving: tuple[str, bool] | None = None
+        self._logged: set[str] = set()
         tiers = (
             spec.build_fs_tiers(self._regions) if isinstance(spec, TieringOffloadingSpec) else []
         )
@@ -620,7 +667,38 @@ class KvtierOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
         if self.spec.no_loads_reason is not None:
             return compat.lookup_result(Lookup.MISS)
-        return compat.lookup_result(self.core.lookup(key, req_context.req_id))
+        return compat.lookup_result(
+            self.core.lookup(key, req_context.req_id, secondary=self._secondary(req_context))
+        )
+
+    def note_new_request(self, req_id: str, has_lora: bool) -> None:
+        """Called by kvtier's connector just before vLLM adds the request ``req_id``
+        (``on_new_request``): whether it runs with a LoRA adapter."""
+        self._arriving = (req_id, has_lora)
+
+    def _secondary(self, req_context: ReqContext) -> bool:
+        """Whether the request may read and write the secondary (persistent) tiers."""
+        if not self.core.fs_tiers:
+            return True
+        mark = _request_mark(req_context)
+        if mark is not None:
+            return mark.secondary
+        if self.spec.lora_enabled is False:
+            return True  # vLLM refuses LoRA requests when LoRA is off
+        self._log_once(
+            "unknown",
+            "kvtier: a request reached the manager without kvtier's connector in front, and "
+            "LoRA may be on (vLLM's config %s), so kvtier cannot tell whether its blocks "
+            "were computed with an adapter: such requests use the host tier only, never "
+            "the fs or mooncake tiers",
+            "enables it" if self.spec.lora_enabled else "was not found",
+        )
+        return False
+
+    def _log_once(self, what: str, msg: str, *args: Any) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            logger.warning(msg, *args)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
         return compat.cache_hit_source(self.core.load_source(key))
@@ -685,9 +763,20 @@ class KvtierOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self.core.complete_store(list(keys), success)
+        self.core.complete_store(list(keys), success, secondary=self._secondary(req_context))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        arriving, self._arriving = self._arriving, None
+        if arriving is not None and arriving[0] == req_context.req_id:
+            has_lora = arriving[1]
+            _mark_request(req_context, _RequestTiers(secondary=not has_lora))
+            if has_lora and self.core.fs_tiers:
+                self._log_once(
+                    "lora",
+                    "kvtier: requests with a LoRA adapter use the host tier only, never the "
+                    "fs or mooncake tiers: vLLM's block hashes name an adapter, not its "
+                    "weights, so KV kept across restarts could outlive a retrained adapter",
+                )
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
