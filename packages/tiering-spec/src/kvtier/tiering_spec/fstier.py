@@ -62,6 +62,7 @@ FAULT_KINDS = (
     "write_failed",
     "timeout",
     "unreachable",  # a store tier's store did not answer
+    "unauthenticated",  # no valid MAC where a key is configured (auth_key_file)
 )
 _STALE_TMP_S = 3600.0
 # Without capacity_bytes the tier may fill this share of the free space it found.
