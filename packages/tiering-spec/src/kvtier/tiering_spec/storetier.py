@@ -20,6 +20,11 @@ like the fs tier, with the same duck-typed interface, so the manager treats both
 * **A store that is down or slow gives misses.** A failed call counts a fault and
   sends the tier into a back-off (``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``)
   during which lookups miss, writes are dropped and nothing waits on the store.
+* **Authenticated objects** (``auth_key``, from ``auth_key_file``): each object's
+  header carries a BLAKE2b MAC over the header and the payload, keyed with a secret
+  every engine of the store shares; an object without a valid MAC is a miss (fault
+  ``unauthenticated``), removed, never loaded. Without a key, every client of the
+  master is trusted (logged at start-up).
 
 Units: bytes, unless a name says blocks.
 """
@@ -34,7 +39,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtier.tiering_spec import fsformat
@@ -80,11 +85,13 @@ class StoreClient(Protocol):
 
 @dataclass(frozen=True)
 class StoreTierSettings:
-    """What the tier needs besides the client: its name, locality and events switch."""
+    """What the tier needs besides the client: its name, locality and events switch,
+    and the MAC key (None: objects unauthenticated)."""
 
     name: str = "mooncake"
     locality: str = "REMOTE"
     enable_kv_events: bool = True
+    auth_key: bytes | None = field(default=None, repr=False)
 
 
 def _address(view: memoryview) -> int:
@@ -103,7 +110,7 @@ class StoreTier(TierJobs):
         payload_bytes: bytes of one copy of a host block (a multiple of 4096).
         region_views: returns one writable memoryview per copy over its host region,
             or None while the regions cannot be mapped yet.
-        settings: name, locality and events switch.
+        settings: name, locality, events switch and MAC key.
     """
 
     def __init__(
@@ -122,6 +129,7 @@ class StoreTier(TierJobs):
         self.client: StoreClient | None = None
         self.cfg = settings
         self.name = settings.name
+        self._key = settings.auth_key
         self.payload_bytes = payload_bytes
         self.object_bytes = fsformat.HEADER_SIZE + payload_bytes
         self.copies = len(layouts)
@@ -171,6 +179,13 @@ class StoreTier(TierJobs):
         ]
         for t in self._threads:
             t.start()
+        if self._key is None:
+            logger.warning(
+                "kvtier store tier %r: no auth_key_file: every client of the Mooncake "
+                "master is trusted (any of them can plant KV that this engine loads); "
+                "set auth_key_file to load only objects written with a shared secret",
+                self.name,
+            )
 
     # ----------------------------------------------------------------- helpers
 
@@ -446,9 +461,15 @@ class StoreTier(TierJobs):
                 if op == "write":
                     data = views[copy][block * payload : (block + 1) * payload]
                     page = self._headers_view[slot * hsize : (slot + 1) * hsize]
-                    page[: fsformat.HEADER_USED] = fsformat.encode_header(
-                        self.fingerprints[copy], digest, payload, fsformat.checksum(data)
+                    header = fsformat.encode_header(
+                        self.fingerprints[copy],
+                        digest,
+                        payload,
+                        fsformat.checksum(data),
+                        auth_key=self._key,
+                        payload=data,
                     )
+                    page[: len(header)] = header
                 keys.append(name)
                 ptrs.append([head, regions[copy] + block * payload])
                 sizes.append([hsize, payload])
@@ -474,7 +495,7 @@ class StoreTier(TierJobs):
                 fault = None if all(c == 0 for c in mine) else "write_failed"
             else:
                 fault = self._check_read(i, digest, block, mine)
-                if fault == "corrupt":  # removed so that no engine tries it again
+                if fault in ("corrupt", "unauthenticated"):  # so no engine tries it again
                     corrupt += self.object_keys(digest)
             self._results.append(
                 FsResult(
@@ -494,7 +515,8 @@ class StoreTier(TierJobs):
                 pass
 
     def _check_read(self, i: int, digest: bytes, block: int, codes: list[int]) -> str | None:
-        """The fault of one read (None if every copy arrived intact)."""
+        """The fault of one read (None if every copy arrived intact and, with a key,
+        authenticated)."""
         if any(c == OBJECT_NOT_FOUND for c in codes):
             return "vanished"
         if any(c < 0 for c in codes):
@@ -508,6 +530,7 @@ class StoreTier(TierJobs):
         for copy in range(self.copies):
             slot = i * self.copies + copy
             page = self._headers_view[slot * hsize : (slot + 1) * hsize]
+            data = views[copy][block * payload : (block + 1) * payload]
             try:
                 crc = fsformat.decode_header(
                     page,
@@ -515,9 +538,10 @@ class StoreTier(TierJobs):
                     digest=digest,
                     payload_len=payload,
                 )
-            except fsformat.FormatError:
-                return "corrupt"
-            data = views[copy][block * payload : (block + 1) * payload]
+                if self._key is not None:
+                    fsformat.check_mac(page, data, self._key)
+            except fsformat.FormatError as exc:
+                return "unauthenticated" if exc.kind == "unauthenticated" else "corrupt"
             if fsformat.checksum(data) != crc:
                 return "corrupt"
         return None
