@@ -1,5 +1,6 @@
 """Adversarial battery of the store tier (issue #25): objects planted by another
-client of the master, and the key that authenticates them.
+client of the master, the key that authenticates them, and back-off after failures
+far apart.
 
 A fake Mooncake client (no Mooncake needed) stands in for the master: it copies
 bytes to and from the buffers the tier hands it, as the real one does, and can be
@@ -33,7 +34,9 @@ from kvtier.tiering_spec.storetier import (
 
 from .tier_support import PAYLOAD, Region, layouts
 
-# A lookup must be answered within BOUND (seconds).
+# The shortest back-off of these tests; a lookup must be answered within BOUND
+# (seconds).
+BACKOFF_S = 0.1
 BOUND = 3.0
 KEY = os.urandom(32)
 
@@ -136,7 +139,7 @@ def make_tier() -> Iterator[Callable[..., tuple[StoreTier, FakeClient]]]:
         region: Region, master: FakeMaster | None = None, *, auth_key: bytes | None = None
     ) -> tuple[StoreTier, FakeClient]:
         client = FakeClient(master or FakeMaster())
-        settings = StoreTierSettings(auth_key=auth_key)
+        settings = StoreTierSettings(auth_key=auth_key, backoff_min_s=BACKOFF_S, backoff_max_s=30.0)
         tier = StoreTier(lambda: client, layouts(), PAYLOAD, region.views, settings)
         assert tier.wait_connected(5.0)
         made.append((tier, client))
@@ -182,6 +185,28 @@ def lookup_until(
 
 def foreign(seed: int) -> bytes:
     return (seed.to_bytes(4, "little") * (PAYLOAD // 4))[:PAYLOAD]
+
+
+# ----------------------------------------------------------------- back-off
+
+
+def test_back_off_returns_to_its_minimum_after_a_success(make_tier: Any) -> None:
+    region = Region(2)
+    tier, client = make_tier(region)
+    for blip in range(8):
+        client.fail = {"exist"}
+        before = tier.faults()["unreachable"]
+        assert tier.contains(f"blip-{blip:010d}".encode()) is None
+        tier.wait_probes(2.0)
+        assert tier.faults()["unreachable"] > before
+        down_for = tier._down_until - time.monotonic()
+        assert down_for <= BACKOFF_S + 0.05, f"blip {blip}: down for {down_for:.2f} s"
+        client.fail = set()
+        time.sleep(max(0.0, down_for) + 0.01)
+        # A call that succeeds (here: an existence check) resets the back-off.
+        assert tier.contains(f"fine-{blip:010d}".encode()) is None
+        tier.wait_probes(2.0)
+        assert tier.contains(f"fine-{blip:010d}".encode()) is False
 
 
 # ----------------------------------------------------------------- planted objects

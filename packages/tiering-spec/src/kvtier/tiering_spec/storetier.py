@@ -18,8 +18,9 @@ like the fs tier, with the same duck-typed interface, so the manager treats both
   returns None ("ask again"); a key the store lacks is remembered for
   ``NEGATIVE_TTL_S``.
 * **A store that is down or slow gives misses.** A failed call counts a fault and
-  sends the tier into a back-off (``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``)
-  during which lookups miss, writes are dropped and nothing waits on the store.
+  sends the tier into a back-off (``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``,
+  back to the minimum after a call that succeeds) during which lookups miss, writes
+  are dropped and nothing waits on the store.
 * **Authenticated objects** (``auth_key``, from ``auth_key_file``): each object's
   header carries a BLAKE2b MAC over the header and the payload, keyed with a secret
   every engine of the store shares; an object without a valid MAC is a miss (fault
@@ -86,12 +87,14 @@ class StoreClient(Protocol):
 @dataclass(frozen=True)
 class StoreTierSettings:
     """What the tier needs besides the client: its name, locality and events switch,
-    and the MAC key (None: objects unauthenticated)."""
+    the MAC key (None: objects unauthenticated) and its back-off (seconds)."""
 
     name: str = "mooncake"
     locality: str = "REMOTE"
     enable_kv_events: bool = True
     auth_key: bytes | None = field(default=None, repr=False)
+    backoff_min_s: float = BACKOFF_MIN_S
+    backoff_max_s: float = BACKOFF_MAX_S
 
 
 def _address(view: memoryview) -> int:
@@ -110,7 +113,7 @@ class StoreTier(TierJobs):
         payload_bytes: bytes of one copy of a host block (a multiple of 4096).
         region_views: returns one writable memoryview per copy over its host region,
             or None while the regions cannot be mapped yet.
-        settings: name, locality, events switch and MAC key.
+        settings: name, locality, events switch, MAC key and back-off.
     """
 
     def __init__(
@@ -157,13 +160,14 @@ class StoreTier(TierJobs):
         self._events: list[tuple[bool, list[bytes]]] = []
         self._inflight = 0
         self._down_until = 0.0
-        self._backoff = BACKOFF_MIN_S
+        self._backoff = settings.backoff_min_s
         self._closed = False
         self.stuck = False
         # I/O thread results and probe answers, taken in by poll() (scheduler thread).
         self._results: deque[FsResult] = deque()
         self._answers: deque[tuple[bytes, bool]] = deque()
-        self._failures: deque[str] = deque()
+        # Outcomes of store calls in order: None for a success, else why one failed.
+        self._outcomes: deque[str | None] = deque()
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._probes: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -206,7 +210,7 @@ class StoreTier(TierJobs):
         """Connect, then register the host regions once they are mapped. Registering
         pins the memory for RDMA, seconds for tens of GiB: never on the scheduler
         thread. Failures back off and try again until shutdown."""
-        delay = BACKOFF_MIN_S
+        delay = self.cfg.backoff_min_s
         while not self._stop.is_set():
             try:
                 if self.client is None:
@@ -220,10 +224,10 @@ class StoreTier(TierJobs):
                     return
                 delay = REGION_POLL_S  # the regions are not mapped yet
             except Exception as exc:
-                self._failures.append(f"connecting failed: {type(exc).__name__}: {exc}")
-                delay = max(delay, BACKOFF_MIN_S)
+                self._outcomes.append(f"connecting failed: {type(exc).__name__}: {exc}")
+                delay = max(delay, self.cfg.backoff_min_s)
                 self._stop.wait(delay)
-                delay = min(BACKOFF_MAX_S, delay * 2)
+                delay = min(self.cfg.backoff_max_s, delay * 2)
                 continue
             self._stop.wait(delay)
 
@@ -303,8 +307,12 @@ class StoreTier(TierJobs):
 
     def poll(self) -> list[FsResult]:
         """Finished jobs and probe answers since the last call (scheduler thread)."""
-        while self._failures:
-            self._back_off(self._failures.popleft())
+        while self._outcomes:
+            why = self._outcomes.popleft()
+            if why is None:
+                self._backoff = self.cfg.backoff_min_s  # the store answers again
+            else:
+                self._back_off(why)
         now = time.monotonic()
         while self._answers:
             digest, present = self._answers.popleft()
@@ -375,15 +383,17 @@ class StoreTier(TierJobs):
             self._fault_logged.add("unreachable")
             logger.warning(
                 "kvtier store tier %r: the store did not answer (%s); lookups miss and writes "
-                "are dropped for %.1f s, then it is tried again (back-off up to %.0f s; "
-                "metric vllm:kvtier_fs_faults{tier=%r,kind='unreachable'})",
+                "are dropped for %.1f s, then it is tried again (back-off up to %.0f s, back "
+                "to %.1f s after a call that succeeds; metric "
+                "vllm:kvtier_fs_faults{tier=%r,kind='unreachable'})",
                 self.name,
                 why,
                 self._backoff,
-                BACKOFF_MAX_S,
+                self.cfg.backoff_max_s,
+                self.cfg.backoff_min_s,
                 self.name,
             )
-        self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+        self._backoff = min(self.cfg.backoff_max_s, self._backoff * 2)
 
     def wait_probes(self, timeout: float = 10.0) -> None:
         """Wait until every started existence check answered (tests, benchmarks)."""
@@ -480,13 +490,16 @@ class StoreTier(TierJobs):
                 codes = list(client.batch_put_from_multi_buffers(keys, ptrs, sizes))
             else:
                 codes = list(client.batch_get_into_multi_buffers(keys, ptrs, sizes))
+            if len(codes) != len(keys):
+                raise RuntimeError(f"{len(codes)} codes for {len(keys)} objects")
         except Exception as exc:  # the client raised: the store is unusable for now
             codes = [-1] * len(keys)
-            self._failures.append(f"{type(exc).__name__}: {exc}")
-        if len(codes) != len(keys):
-            codes = [-1] * len(keys)
-        if codes and all(c < 0 and c != OBJECT_NOT_FOUND for c in codes):
-            self._failures.append(f"{op} returned {codes[0]}")
+            self._outcomes.append(f"{type(exc).__name__}: {exc}")
+        else:
+            if codes and all(c < 0 and c != OBJECT_NOT_FOUND for c in codes):
+                self._outcomes.append(f"{op} returned {codes[0]}")
+            else:
+                self._outcomes.append(None)
         seconds = (time.perf_counter() - t0) / max(1, len(batch))
         corrupt: list[str] = []
         for i, (_, key, digest, block) in enumerate(batch):
@@ -554,13 +567,16 @@ class StoreTier(TierJobs):
                 if client is None:
                     raise RuntimeError("not connected")
                 codes = list(client.batch_is_exist(keys))
+                if len(codes) != len(keys):
+                    raise RuntimeError(f"{len(codes)} codes for {len(keys)} objects")
             except Exception as exc:
                 codes = [-1] * len(keys)
-                self._failures.append(f"{type(exc).__name__}: {exc}")
-            if len(codes) != len(keys):
-                codes = [-1] * len(keys)
-            elif codes and all(c < 0 for c in codes):
-                self._failures.append(f"existence check returned {codes[0]}")
+                self._outcomes.append(f"{type(exc).__name__}: {exc}")
+            else:
+                if codes and all(c < 0 for c in codes):
+                    self._outcomes.append(f"existence check returned {codes[0]}")
+                else:
+                    self._outcomes.append(None)
             for i, d in enumerate(batch):
                 mine = codes[i * self.copies : (i + 1) * self.copies]
                 self._answers.append((d, all(c == 1 for c in mine)))
