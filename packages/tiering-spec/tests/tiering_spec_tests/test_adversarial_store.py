@@ -1,6 +1,6 @@
-"""Adversarial battery of the store tier (issue #25): objects planted by another
-client of the master, the key that authenticates them, and back-off after failures
-far apart.
+"""Adversarial battery of the store tier (issue #25): a master that hangs, answers
+slowly or dies mid-batch, objects planted by another client of the master, and
+back-off after failures far apart.
 
 A fake Mooncake client (no Mooncake needed) stands in for the master: it copies
 bytes to and from the buffers the tier hands it, as the real one does, and can be
@@ -28,14 +28,18 @@ from kvtier.tiering_spec.config import ConfigError, parse_fs_tier, parse_mooncak
 from kvtier.tiering_spec.fsformat import key_digest
 from kvtier.tiering_spec.manager import Lookup, TierManager
 from kvtier.tiering_spec.storetier import (
+    MAX_BATCH,
+    MAX_PENDING_PROBES,
+    MAX_STUCK_CALLS,
     StoreTier,
     StoreTierSettings,
 )
 
 from .tier_support import PAYLOAD, Region, layouts
 
-# The shortest back-off of these tests; a lookup must be answered within BOUND
-# (seconds).
+# Deadlines of these tests (seconds); a lookup must be answered within BOUND.
+CALL_S = 0.3
+PROBE_S = 0.2
 BACKOFF_S = 0.1
 BOUND = 3.0
 KEY = os.urandom(32)
@@ -139,7 +143,14 @@ def make_tier() -> Iterator[Callable[..., tuple[StoreTier, FakeClient]]]:
         region: Region, master: FakeMaster | None = None, *, auth_key: bytes | None = None
     ) -> tuple[StoreTier, FakeClient]:
         client = FakeClient(master or FakeMaster())
-        settings = StoreTierSettings(auth_key=auth_key, backoff_min_s=BACKOFF_S, backoff_max_s=30.0)
+        settings = StoreTierSettings(
+            auth_key=auth_key,
+            call_timeout_s=CALL_S,
+            probe_timeout_s=PROBE_S,
+            backoff_min_s=BACKOFF_S,
+            backoff_max_s=30.0,
+            shutdown_timeout_s=2.0,
+        )
         tier = StoreTier(lambda: client, layouts(), PAYLOAD, region.views, settings)
         assert tier.wait_connected(5.0)
         made.append((tier, client))
@@ -185,6 +196,184 @@ def lookup_until(
 
 def foreign(seed: int) -> bytes:
     return (seed.to_bytes(4, "little") * (PAYLOAD // 4))[:PAYLOAD]
+
+
+def assert_bounded(tier: StoreTier) -> None:
+    """Threads, probes and absent keys stay bounded while the master misbehaves."""
+    assert len(tier._threads) <= 2 * (MAX_STUCK_CALLS + 1) + 1
+    assert len(tier._probing) <= MAX_PENDING_PROBES
+    assert tier.in_flight <= MAX_PENDING_PROBES + 2 * MAX_BATCH
+
+
+# ----------------------------------------------------------------- a master that hangs
+
+
+def test_hung_existence_check_is_a_miss_within_the_deadline(make_tier: Any) -> None:
+    region = Region(4)
+    tier, client = make_tier(region)
+    client.gate = {"exist"}
+    mgr = TierManager(HostBlockPool(4), [tier])
+    got, waited = lookup_until(mgr, b"k" * 16, lambda g: g is not Lookup.HIT_PENDING)
+    assert got is Lookup.MISS, f"still {got} after {waited:.1f} s"
+    assert waited < PROBE_S + 1.0
+    assert tier.faults()["timeout"] >= 1
+    # The tier backs off: lookups miss at once, without asking the hung master.
+    asked = client.calls["exist"]
+    for i in range(50):
+        assert mgr.lookup(bytes([i]) * 16, "r2") is Lookup.MISS
+    assert client.calls["exist"] == asked
+    assert_bounded(tier)
+
+
+def test_hung_master_keeps_threads_and_queues_bounded(make_tier: Any) -> None:
+    region = Region(4)
+    tier, client = make_tier(region)
+    client.gate = {"exist", "get", "put", "remove"}
+    mgr = TierManager(HostBlockPool(4), [tier])
+    deadline = time.monotonic() + 8 * (PROBE_S + BACKOFF_S)
+    n = 0
+    while time.monotonic() < deadline:
+        for _ in range(20):
+            n += 1
+            got = mgr.lookup(n.to_bytes(16, "little"), f"r{n}")
+            assert got in (Lookup.MISS, Lookup.HIT_PENDING)
+        mgr.end_step()
+        assert_bounded(tier)
+        time.sleep(0.01)
+    assert tier.faults()["timeout"] >= MAX_STUCK_CALLS
+    # No more abandoned calls than allowed: the rest of the time the tier gives misses.
+    assert client.calls["exist"] <= MAX_STUCK_CALLS + 1
+    assert mgr.lookup(b"z" * 16, "last") is Lookup.MISS
+    # The master answers again: the stuck threads come back, and so does the tier.
+    client.gate = set()
+    client.release.set()
+    deadline = time.monotonic() + BOUND
+    while tier._down() and time.monotonic() < deadline:
+        mgr.end_step()
+        time.sleep(0.005)
+    assert not tier._down()
+    assert mgr.lookup(b"y" * 16, "back") is Lookup.HIT_PENDING  # asks the master again
+    got, _ = lookup_until(mgr, b"y" * 16, lambda g: g is not Lookup.HIT_PENDING)
+    assert got is Lookup.MISS
+    assert tier.shutdown()
+    assert not any(t.is_alive() for t in tier._threads)
+
+
+def test_hung_read_is_a_miss_and_its_block_is_not_reused_until_the_call_returns(
+    make_tier: Any,
+) -> None:
+    region = Region(2)
+    tier, client = make_tier(region)
+    key = b"promoted-key-000"
+    plant(tier, key, foreign(7))
+    pool = HostBlockPool(2)
+    mgr = TierManager(pool, [tier])
+    client.gate = {"get"}
+    got, waited = lookup_until(mgr, key, lambda g: g is not Lookup.HIT_PENDING)
+    assert got is Lookup.MISS, f"still {got} after {waited:.1f} s"
+    assert waited < PROBE_S + CALL_S + 1.0
+    assert tier.faults()["timeout"] == 1
+    assert mgr.counters.promotion_failures == 1
+    # The block the hung get writes into stays reserved: never cached, never reused.
+    block = pool.block_of(key)
+    assert block is not None and pool.is_storing(key)
+    plan = mgr.prepare_store([b"other-key-000001", b"other-key-000002"])
+    assert plan is None or block not in plan[1]
+    if plan is not None:
+        mgr.complete_store(plan[0], success=False)
+    # The late get lands; it is never reported as loaded, and the block is freed.
+    client.release.set()
+    assert client.returned_late.wait(2.0)
+    deadline = time.monotonic() + BOUND
+    while pool.is_storing(key) and time.monotonic() < deadline:
+        mgr.end_step()
+        time.sleep(0.002)
+    assert not pool.is_storing(key) and not pool.contains(key)
+    assert pool.num_free == 2
+    assert tier.drain(1.0)
+
+
+def test_hung_write_keeps_its_block_pinned_and_counts_a_timeout(make_tier: Any) -> None:
+    region = Region(2)
+    tier, client = make_tier(region)
+    pool = HostBlockPool(2)
+    mgr = TierManager(pool, [tier], max_write_backlog=8)
+    client.gate = {"put"}
+    key = b"written-key-0001"
+    plan = mgr.prepare_store([key])
+    assert plan is not None
+    region.fill(0, plan[1][0], 3)
+    mgr.complete_store(plan[0])
+    assert mgr.write_pinned_blocks == 1
+    deadline = time.monotonic() + CALL_S + 1.0
+    while tier.faults()["timeout"] == 0 and time.monotonic() < deadline:
+        mgr.end_step()
+        time.sleep(0.005)
+    assert tier.faults()["timeout"] == 1
+    # The engine need not keep stepping for it, and the put may still read the block.
+    assert not mgr.has_pending_work()
+    assert mgr.write_pinned_blocks == 1
+    assert not tier.drain(0.05)
+    client.release.set()
+    deadline = time.monotonic() + BOUND
+    while mgr.write_pinned_blocks and time.monotonic() < deadline:
+        mgr.end_step()
+        time.sleep(0.002)
+    assert mgr.write_pinned_blocks == 0
+    assert mgr.counters.write_failures == 1
+    assert not tier.has(key_digest(key))
+
+
+# ----------------------------------------------------------------- slow, then dead
+
+
+def test_slow_master_is_a_miss_and_the_late_answer_is_not_trusted(make_tier: Any) -> None:
+    region = Region(2)
+    tier, client = make_tier(region)
+    key = b"slow-key-0000001"
+    plant(tier, key, foreign(9))
+    pool = HostBlockPool(2)
+    mgr = TierManager(pool, [tier])
+    client.gate = {"get"}
+    client.delay = 3 * CALL_S  # answers, but after the deadline
+    got, waited = lookup_until(mgr, key, lambda g: g is not Lookup.HIT_PENDING)
+    assert got is Lookup.MISS and waited < PROBE_S + CALL_S + 1.0
+    assert tier.faults()["timeout"] == 1
+    deadline = time.monotonic() + BOUND
+    while pool.is_storing(key) and time.monotonic() < deadline:
+        mgr.end_step()
+        time.sleep(0.005)
+    assert not pool.contains(key) and pool.num_free == 2
+    assert tier.stats.reads == 0
+
+
+def test_master_dying_mid_batch_loads_nothing(make_tier: Any) -> None:
+    region = Region(4)
+    tier, client = make_tier(region)
+    keys = [f"dying-key-{i:06d}".encode() for i in range(4)]
+    for i, k in enumerate(keys):
+        plant(tier, k, foreign(100 + i))
+    pool = HostBlockPool(4)
+    mgr = TierManager(pool, [tier])
+    client.die = {"get"}
+    t0 = time.monotonic()
+    answers = {k: Lookup.HIT_PENDING for k in keys}
+    while any(a is Lookup.HIT_PENDING for a in answers.values()):
+        assert time.monotonic() - t0 < BOUND, answers
+        for k in keys:
+            if answers[k] is Lookup.HIT_PENDING:
+                answers[k] = mgr.lookup(k, "req")
+        mgr.end_step()
+        time.sleep(0.002)
+    assert all(a is Lookup.MISS for a in answers.values())
+    assert not any(pool.contains(k) for k in keys)
+    assert tier.faults()["unreachable"] >= 1
+    assert pool.num_free == 4
+    # Then the master is gone for good: calls fail fast, lookups miss.
+    client.fail = {"exist", "get", "put", "remove"}
+    got, waited = lookup_until(mgr, b"n" * 16, lambda g: g is not Lookup.HIT_PENDING)
+    assert got is Lookup.MISS and waited < BOUND
+    assert_bounded(tier)
 
 
 # ----------------------------------------------------------------- back-off
