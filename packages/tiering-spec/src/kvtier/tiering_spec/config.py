@@ -58,6 +58,7 @@ _FS_KEYS = (
     "capacity_bytes",
     "enable_kv_events",
     "locality",
+    "auth_key_file",
     # vLLM's tiering keys that kvtier accepts and does not need.
     "backpressure",
     "module_path",
@@ -74,6 +75,7 @@ _MOONCAKE_KEYS = (
     "device_name",
     "enable_kv_events",
     "locality",
+    "auth_key_file",
 )
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 
@@ -112,6 +114,9 @@ class FsTierConfig:
         capacity_bytes: bytes of files this engine may keep; None means no limit.
         enable_kv_events: publish KV events for this tier (when events are on).
         locality: "LOCAL" or "REMOTE" (reported in events).
+        auth_key_file: a file of this user (mode 0600) holding the secret that
+            authenticates the tier's files (a keyed MAC in each header; for a folder that
+            others can write, such as a shared filesystem); None: no MAC.
     """
 
     root_dir: str
@@ -120,6 +125,7 @@ class FsTierConfig:
     capacity_bytes: int | None = None
     enable_kv_events: bool = True
     locality: str = "LOCAL"
+    auth_key_file: str | None = None
     type: str = "fs"
 
 
@@ -140,6 +146,9 @@ class MooncakeTierConfig:
         local_buffer_size: bytes of the client's own transfer buffer.
         device_name: RDMA device(s), e.g. ``mlx5_0`` (required with ``rdma``).
         enable_kv_events / locality: as for the fs tier (``REMOTE`` by default).
+        auth_key_file: a file of this user (mode 0600) holding the secret that
+            authenticates objects (a keyed MAC in each header): only objects written
+            with the same secret are loaded. None: every client of the master is trusted.
     """
 
     master_server_address: str
@@ -151,6 +160,7 @@ class MooncakeTierConfig:
     device_name: str = ""
     enable_kv_events: bool = True
     locality: str = "REMOTE"
+    auth_key_file: str | None = None
     type: str = "mooncake"
 
 
@@ -267,7 +277,7 @@ def parse_config(
             "TieringOffloadingSpec or remove secondary_tiers"
         )
     tiers = tuple(
-        parse_mooncake_tier(t, f"secondary_tiers[{i}]")
+        parse_mooncake_tier(t, f"secondary_tiers[{i}]", check_paths=check_paths)
         if isinstance(t, Mapping) and t.get("type") == "mooncake"
         else parse_fs_tier(t, f"secondary_tiers[{i}]", check_paths=check_paths)
         for i, t in enumerate(tiers_raw)
@@ -340,10 +350,32 @@ def parse_fs_tier(raw: Any, where: str, *, check_paths: bool = True) -> FsTierCo
         ),
         enable_kv_events=_bool(f"{where}.enable_kv_events", raw.get("enable_kv_events", True)),
         locality=locality,
+        auth_key_file=_auth_key_file(raw, where, check_paths=check_paths),
     )
     if check_paths:
         check_directory(cfg.root_dir, f"{where}.root_dir")
     return cfg
+
+
+def _auth_key_file(raw: Mapping[str, Any], where: str, *, check_paths: bool) -> str | None:
+    """The validated ``auth_key_file`` of a tier entry (an absolute path), or None.
+    With ``check_paths`` the file is read and checked as the tier will (see
+    ``kvtier.tiering_spec.auth.load_auth_key``); the key itself is not kept here."""
+    value = raw.get("auth_key_file")
+    if value is None:
+        return None
+    key = f"{where}.auth_key_file"
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(
+            f"{key} must be the path (string) of a file of this user, mode 0600, holding "
+            f"the secret shared by every engine of the tier, got {value!r}"
+        )
+    path = os.path.abspath(os.path.expanduser(value))
+    if check_paths:
+        from kvtier.tiering_spec.auth import load_auth_key  # auth imports this module
+
+        load_auth_key(path, key)
+    return path
 
 
 def _host_port(where: str, value: Any) -> str:
@@ -356,8 +388,11 @@ def _host_port(where: str, value: Any) -> str:
     return str(value)
 
 
-def parse_mooncake_tier(raw: Mapping[str, Any], where: str) -> MooncakeTierConfig:
-    """Validate one ``{"type": "mooncake", ...}`` entry; ``where`` names it in errors."""
+def parse_mooncake_tier(
+    raw: Mapping[str, Any], where: str, *, check_paths: bool = True
+) -> MooncakeTierConfig:
+    """Validate one ``{"type": "mooncake", ...}`` entry; ``where`` names it in errors.
+    ``check_paths`` reads and checks the ``auth_key_file``, if any."""
     unknown = sorted(set(raw) - set(_MOONCAKE_KEYS))
     if unknown:
         raise ConfigError(
@@ -413,6 +448,7 @@ def parse_mooncake_tier(raw: Mapping[str, Any], where: str) -> MooncakeTierConfi
         device_name=device.strip(),
         enable_kv_events=_bool(f"{where}.enable_kv_events", raw.get("enable_kv_events", True)),
         locality=locality,
+        auth_key_file=_auth_key_file(raw, where, check_paths=check_paths),
     )
 
 

@@ -17,13 +17,20 @@ of 4096 bytes, so O_DIRECT can read and write both in place)::
     8      2     format version (1), little endian
     10     2     header size (4096)
     12     2     checksum algorithm (2 = XXH3-64)
-    14     2     reserved (0)
+    14     2     flags: bit 0 (FLAG_MAC) = a MAC follows the header checksum
     16     16    layout fingerprint (BLAKE2b-128)
     32     16    key digest (BLAKE2b-128 of the offload key)
     48     8     payload length in bytes
     56     8     payload checksum (XXH3-64, seed 0)
     64     4     header checksum (CRC-32 of bytes 0..63)
-    68     4028  zero
+    68     32    with FLAG_MAC: BLAKE2b-256 MAC keyed with the tier's secret over
+                 bytes 0..67 then the whole payload (see ``auth``); else zero
+    100    3996  zero
+
+Flags other than FLAG_MAC are refused. Readers written before the flag existed
+ignore it (it was reserved), so objects with a MAC stay readable to them; a reader
+with a key (``auth_key_file``) accepts only objects whose MAC checks, one without a
+key reads both.
 
 XXH3-64 hashes tens of GB/s per core, so checking every byte costs a few percent of
 the I/O's CPU time; zlib's CRC-32 (about 2 GB/s here) would cost more than the I/O.
@@ -42,6 +49,8 @@ from typing import Any
 
 import xxhash
 
+from kvtier.tiering_spec import auth
+
 MAGIC = b"KVTIERKV"
 FORMAT_VERSION = 1
 HEADER_SIZE = 4096
@@ -54,13 +63,18 @@ TMP_PREFIX = ".tmp-"
 _HEADER = struct.Struct("<8sHHHH16s16sQQ")
 _HEADER_CRC = struct.Struct("<I")
 HEADER_USED = _HEADER.size + _HEADER_CRC.size  # 68
+FLAG_MAC = 0x0001
+MAC_OFFSET = HEADER_USED
+HEADER_USED_MAC = MAC_OFFSET + auth.MAC_SIZE  # 100
+_FLAGS_OFFSET = 14
 
 
 class FormatError(Exception):
     """A file that is not a valid block file for this layout and key.
 
-    ``kind`` is ``"corrupt"`` (bad magic, version, checksum, fingerprint or key) or
-    ``"truncated"`` (shorter than its header says).
+    ``kind`` is ``"corrupt"`` (bad magic, version, flags, checksum, fingerprint or
+    key), ``"truncated"`` (shorter than its header says) or ``"unauthenticated"``
+    (no MAC, or a MAC that does not check, where a key is configured).
     """
 
     def __init__(self, kind: str, message: str) -> None:
@@ -84,26 +98,56 @@ def checksum(payload: Any) -> int:
     return int(xxhash.xxh3_64_intdigest(payload))
 
 
-def encode_header(fingerprint: bytes, digest: bytes, payload_len: int, crc: int) -> bytes:
-    """The first ``HEADER_USED`` bytes of a header (the rest of the 4096 are zero)."""
+def encode_header(
+    fingerprint: bytes,
+    digest: bytes,
+    payload_len: int,
+    crc: int,
+    *,
+    auth_key: bytes | None = None,
+    payload: Any = None,
+) -> bytes:
+    """The used bytes of a header (the rest of the 4096 are zero): ``HEADER_USED``
+    bytes, or with ``auth_key`` ``HEADER_USED_MAC`` bytes ending in the MAC of the
+    header and ``payload`` (required then: the bytes the header describes)."""
     head = _HEADER.pack(
         MAGIC,
         FORMAT_VERSION,
         HEADER_SIZE,
         CHECKSUM_XXH3_64,
-        0,
+        0 if auth_key is None else FLAG_MAC,
         fingerprint,
         digest,
         payload_len,
         crc,
     )
-    return head + _HEADER_CRC.pack(zlib.crc32(head) & 0xFFFFFFFF)
+    head += _HEADER_CRC.pack(zlib.crc32(head) & 0xFFFFFFFF)
+    if auth_key is None:
+        return head
+    if payload is None:
+        raise ValueError("encode_header with auth_key needs the payload")
+    return head + auth.mac(auth_key, head, payload)
+
+
+def check_mac(header: Any, payload: Any, auth_key: bytes) -> None:
+    """Check the MAC of a header that :func:`decode_header` accepted against
+    ``payload`` (the whole payload). Raises ``FormatError("unauthenticated", ...)``
+    when the header has no MAC or it does not match."""
+    raw = bytes(header[:HEADER_USED_MAC])
+    if len(raw) < HEADER_USED_MAC:
+        raise FormatError("truncated", f"header of {len(raw)} bytes")
+    (flags,) = struct.unpack_from("<H", raw, _FLAGS_OFFSET)
+    if not flags & FLAG_MAC:
+        raise FormatError("unauthenticated", "no MAC, and a key is configured")
+    if not auth.mac_matches(auth_key, raw[:MAC_OFFSET], payload, raw[MAC_OFFSET:]):
+        raise FormatError("unauthenticated", "MAC mismatch (another key, or forged)")
 
 
 def decode_header(header: Any, *, fingerprint: bytes, digest: bytes, payload_len: int) -> int:
     """Check a header against what the reader expects; return the payload checksum.
 
-    Raises ``FormatError("corrupt", ...)`` for any mismatch.
+    Raises ``FormatError("corrupt", ...)`` for any mismatch. The MAC, if any, is not
+    checked here: a reader with a key calls :func:`check_mac` too.
     """
     raw = bytes(header[:HEADER_USED])
     if len(raw) < HEADER_USED:
@@ -112,9 +156,11 @@ def decode_header(header: Any, *, fingerprint: bytes, digest: bytes, payload_len
     (stored_header_crc,) = _HEADER_CRC.unpack(raw[_HEADER.size : HEADER_USED])
     if zlib.crc32(head) & 0xFFFFFFFF != stored_header_crc:
         raise FormatError("corrupt", "header checksum mismatch")
-    magic, version, hsize, algo, _, fp, dg, plen, crc = _HEADER.unpack(head)
+    magic, version, hsize, algo, flags, fp, dg, plen, crc = _HEADER.unpack(head)
     if magic != MAGIC:
         raise FormatError("corrupt", f"bad magic {magic!r}")
+    if flags & ~FLAG_MAC:
+        raise FormatError("corrupt", f"unknown header flags {flags:#x}")
     if version != FORMAT_VERSION or hsize != HEADER_SIZE or algo != CHECKSUM_XXH3_64:
         raise FormatError("corrupt", f"unsupported format {version}/{hsize}/{algo}")
     if fp != fingerprint:

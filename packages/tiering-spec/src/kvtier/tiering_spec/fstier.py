@@ -63,6 +63,7 @@ FAULT_KINDS = (
     "timeout",
     "unreachable",  # a store tier's store did not answer
     "foreign",  # a file this tier did not write: another owner, a link, no regular file
+    "unauthenticated",  # no valid MAC where a key is configured (auth_key_file)
 )
 # Faults whose file is removed at once: damaged, or not this tier's.
 _REMOVED_FAULTS = ("corrupt", "truncated", "foreign")

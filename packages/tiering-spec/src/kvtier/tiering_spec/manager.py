@@ -11,7 +11,10 @@ Flow:
   (the host blocks stay read-pinned until their files are written);
 * a lookup that misses the host tier but hits an fs tier reserves a host block and
   reads the file into it (a *promotion*); the key reads ``HIT_PENDING`` until the
-  read finished, then ``HIT``, or ``MISS`` if the file was bad;
+  read finished, then ``HIT``, or ``MISS`` if the file was bad; a read that timed out
+  (a store tier's call past its deadline) reads ``MISS`` at once, and its host block
+  stays reserved until the tier's ``"release"`` result: the late call may still write
+  into it;
 * host eviction needs no I/O: an evicted block is already on disk (write-through),
   so the pool may reuse it at once.
 """
@@ -105,6 +108,9 @@ class TierManager:
         )
         self.counters = TierCounters()
         self._promoting: dict[bytes, int] = {}  # key -> tier index
+        # Keys whose read timed out: their host blocks stay reserved (storing) until the
+        # tier's "release" result, as the late call may still write into them.
+        self._held: set[bytes] = set()
         self._write_pins: dict[bytes, int] = {}  # key -> fs writes reading its host block
         self._num_write_pins = 0
         self._load_sources: OrderedDict[bytes, str] = OrderedDict()
@@ -137,6 +143,8 @@ class TierManager:
             self._pass_keys.append(key)
             return Lookup.HIT
         if pool.is_storing(key):
+            if key in self._held:  # a read that timed out: never loaded
+                return Lookup.MISS
             self._pass_keys.append(key)
             return Lookup.HIT_PENDING
         if not self.fs_tiers or not secondary:
@@ -257,8 +265,20 @@ class TierManager:
         pool = self.pool
         for tier in self.fs_tiers:
             for res in tier.poll():
+                if res.op == "release":  # a timed-out read's late call is over
+                    if res.key in self._held:
+                        self._held.discard(res.key)
+                        pool.complete_store([res.key], success=False)
+                    continue
                 if res.op == "read":
                     if self._promoting.pop(res.key, None) is None:
+                        continue
+                    if res.fault == "timeout":
+                        # The call may still write into the block: keep it reserved
+                        # until the tier releases it; the lookup misses meanwhile.
+                        self._held.add(res.key)
+                        self.counters.promotion_failures += 1
+                        self._load_sources.pop(res.key, None)
                         continue
                     pool.complete_store([res.key], success=res.ok)
                     if res.ok and res.key not in self._fresh:
@@ -321,7 +341,7 @@ class TierManager:
                 "kvtier: cache reset with fs jobs still running: %d host blocks dropped, "
                 "%d kept until their reads and writes finish",
                 len(dropped),
-                len(self._promoting) + len(self._write_pins),
+                len(self._promoting) + len(self._write_pins) + len(self._held),
             )
             self._load_sources.clear()
             return
@@ -331,6 +351,7 @@ class TierManager:
             self.admission.pool = new_pool
         self._fresh.clear()
         self._promoting.clear()
+        self._held.clear()
         self._write_pins.clear()
         self._num_write_pins = 0
         self._load_sources.clear()

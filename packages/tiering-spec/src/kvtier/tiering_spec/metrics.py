@@ -212,8 +212,8 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
                 "counter",
                 "Block files of an fs tier that failed to read or write (kind: corrupt, "
                 "truncated, vanished, unreadable, disk_full, write_failed, timeout, "
-                "unreachable, foreign: a file this engine did not write); each was treated "
-                "as a miss and never loaded.",
+                "unreachable, foreign: a file this engine did not write, unauthenticated: "
+                "no valid MAC); each was treated as a miss and never loaded.",
                 ("tier", "kind"),
                 None,
             ),

@@ -18,8 +18,25 @@ like the fs tier, with the same duck-typed interface, so the manager treats both
   returns None ("ask again"); a key the store lacks is remembered for
   ``NEGATIVE_TTL_S``.
 * **A store that is down or slow gives misses.** A failed call counts a fault and
-  sends the tier into a back-off (``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``)
-  during which lookups miss, writes are dropped and nothing waits on the store.
+  sends the tier into a back-off (``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``,
+  back to the minimum after a call that succeeds) during which lookups miss, writes
+  are dropped and nothing waits on the store.
+* **Every store call has a deadline** (``CALL_TIMEOUT_S`` for gets, puts and removes,
+  ``PROBE_TIMEOUT_S`` for existence checks). :meth:`StoreTier.poll` abandons a call
+  past it: its probes answer "absent", its reads fail (fault ``timeout``) and the tier
+  backs off; a new thread takes over the queue (at most ``MAX_STUCK_CALLS`` abandoned
+  calls at once; beyond that the tier gives misses until one returns). A read that
+  timed out may still land in its host block, so its result is ``("read", fault
+  "timeout")`` and the manager keeps that block reserved until a ``"release"`` result
+  says the call returned; nothing it brought is ever reported as loaded. A write that
+  timed out keeps its host block pinned (as the store still reads it) until it returns,
+  then counts as failed. Each calling thread has its own header pages, so a late call
+  never meets another batch's headers.
+* **Authenticated objects** (``auth_key``, from ``auth_key_file``): each object's
+  header carries a BLAKE2b MAC over the header and the payload, keyed with a secret
+  every engine of the store shares; an object without a valid MAC is a miss (fault
+  ``unauthenticated``), removed, never loaded. Without a key, every client of the
+  master is trusted (logged at start-up).
 
 Units: bytes, unless a name says blocks.
 """
@@ -34,7 +51,8 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from kvtier.tiering_spec import fsformat
@@ -56,6 +74,18 @@ REGION_POLL_S = 0.05
 # Keys the index remembers (least recently used dropped first).
 MAX_INDEX_ENTRIES = 1_000_000
 SHUTDOWN_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 10.0
+"""Deadline of one batched get, put or remove (seconds): 64 objects of a few MiB take
+well under a second even over TCP."""
+PROBE_TIMEOUT_S = 2.0
+"""Deadline of one batched existence check (seconds): requests wait on it."""
+MAX_PENDING_PROBES = 4 * MAX_BATCH
+"""Existence checks queued or running at most; beyond, an unknown key is a miss (a hung
+master must not make the queue grow with every lookup)."""
+MAX_STUCK_CALLS = 3
+"""Abandoned calls (per kind: jobs, probes) that may still be running before the tier
+stops issuing calls of that kind; each holds a thread (and, for jobs, its header
+pages)."""
 # Mooncake's error code for an object that does not exist (evicted or never put).
 OBJECT_NOT_FOUND = -704
 
@@ -80,11 +110,37 @@ class StoreClient(Protocol):
 
 @dataclass(frozen=True)
 class StoreTierSettings:
-    """What the tier needs besides the client: its name, locality and events switch."""
+    """What the tier needs besides the client: its name, locality and events switch,
+    the MAC key (None: objects unauthenticated) and its time limits (seconds)."""
 
     name: str = "mooncake"
     locality: str = "REMOTE"
     enable_kv_events: bool = True
+    auth_key: bytes | None = field(default=None, repr=False)
+    call_timeout_s: float = CALL_TIMEOUT_S
+    probe_timeout_s: float = PROBE_TIMEOUT_S
+    backoff_min_s: float = BACKOFF_MIN_S
+    backoff_max_s: float = BACKOFF_MAX_S
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
+
+
+class _Call:
+    """One batch of jobs or probes a thread is serving, watched for its deadline.
+
+    ``running`` is the op of the store call in progress ("write", "read", "probe",
+    "remove") or None between calls; ``done`` the jobs whose results were posted.
+    """
+
+    __slots__ = ("abandoned", "deadline", "done", "items", "kind", "running", "slot")
+
+    def __init__(self, kind: str, items: list[Any], deadline: float, slot: int) -> None:
+        self.kind = kind  # "jobs" | "probes"
+        self.items = items
+        self.deadline = deadline
+        self.running: str | None = None
+        self.abandoned = False
+        self.done: set[int] = set()
+        self.slot = slot
 
 
 def _address(view: memoryview) -> int:
@@ -103,7 +159,7 @@ class StoreTier(TierJobs):
         payload_bytes: bytes of one copy of a host block (a multiple of 4096).
         region_views: returns one writable memoryview per copy over its host region,
             or None while the regions cannot be mapped yet.
-        settings: name, locality and events switch.
+        settings: name, locality, events switch, MAC key and time limits.
     """
 
     def __init__(
@@ -122,6 +178,7 @@ class StoreTier(TierJobs):
         self.client: StoreClient | None = None
         self.cfg = settings
         self.name = settings.name
+        self._key = settings.auth_key
         self.payload_bytes = payload_bytes
         self.object_bytes = fsformat.HEADER_SIZE + payload_bytes
         self.copies = len(layouts)
@@ -133,8 +190,13 @@ class StoreTier(TierJobs):
         self._regions: list[int] | None = None
         self._registered: set[int] = set()
         self._views: Sequence[memoryview] | None = None
-        # Header pages for one batch, registered with the client once it is connected.
-        self._headers = mmap.mmap(-1, fsformat.HEADER_SIZE * MAX_BATCH * self.copies)
+        # Header pages: one set of MAX_BATCH * copies pages per job thread that may be
+        # in a store call (the serving one plus MAX_STUCK_CALLS abandoned ones), all
+        # registered with the client once it is connected.
+        self._slot_pages = MAX_BATCH * self.copies
+        self._headers = mmap.mmap(
+            -1, fsformat.HEADER_SIZE * self._slot_pages * (MAX_STUCK_CALLS + 1)
+        )
         self._headers_view = memoryview(self._headers)
         self._headers_addr = _address(self._headers_view)
 
@@ -149,28 +211,46 @@ class StoreTier(TierJobs):
         self._events: list[tuple[bool, list[bytes]]] = []
         self._inflight = 0
         self._down_until = 0.0
-        self._backoff = BACKOFF_MIN_S
+        self._backoff = settings.backoff_min_s
         self._closed = False
         self.stuck = False
+        self._started = time.monotonic()
+        self._connect_overdue = False
         # I/O thread results and probe answers, taken in by poll() (scheduler thread).
         self._results: deque[FsResult] = deque()
         self._answers: deque[tuple[bytes, bool]] = deque()
-        self._failures: deque[str] = deque()
+        # Outcomes of store calls in order: (None, "") for a success, else (fault, why).
+        self._outcomes: deque[tuple[str | None, str]] = deque()
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._probes: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._connected = threading.Event()
-        self._threads = [
-            threading.Thread(
-                target=self._connect_loop, name=f"kvtier-{self.name}-connect", daemon=True
-            ),
-            threading.Thread(target=self._serve_jobs, name=f"kvtier-{self.name}-io", daemon=True),
-            threading.Thread(
-                target=self._serve_probes, name=f"kvtier-{self.name}-probe", daemon=True
-            ),
-        ]
-        for t in self._threads:
-            t.start()
+        # Shared with the calling threads, under _lock: the calls being served, the
+        # threads serving each queue (abandoned ones not counted), free header sets,
+        # jobs whose store call has not returned, abandoned writes not returned.
+        self._lock = threading.Lock()
+        self._calls: set[_Call] = set()
+        self._live = {"jobs": 0, "probes": 0}
+        self._stuck_calls = {"jobs": 0, "probes": 0}
+        self._free_slots = list(range(MAX_STUCK_CALLS, -1, -1))
+        self._unfinished = 0
+        self._parked = 0
+        self._threads: list[threading.Thread] = []
+        with self._lock:
+            self._spawn("jobs")
+            self._spawn("probes")
+        connector = threading.Thread(
+            target=self._connect_loop, name=f"kvtier-{self.name}-connect", daemon=True
+        )
+        self._threads.append(connector)
+        connector.start()
+        if self._key is None:
+            logger.warning(
+                "kvtier store tier %r: no auth_key_file: every client of the Mooncake "
+                "master is trusted (any of them can plant KV that this engine loads); "
+                "set auth_key_file to load only objects written with a shared secret",
+                self.name,
+            )
 
     # ----------------------------------------------------------------- helpers
 
@@ -180,18 +260,64 @@ class StoreTier(TierJobs):
         return [prefix + hexd for prefix in self._prefixes]
 
     def _down(self) -> bool:
-        return self.client is None or time.monotonic() < self._down_until
+        return (
+            self.client is None
+            or time.monotonic() < self._down_until
+            or not self._live["jobs"]
+            or not self._live["probes"]
+        )
 
     def wait_connected(self, timeout: float = 30.0) -> bool:
         """Whether the client connected and registered the host regions within
         ``timeout`` seconds (tests, benchmarks)."""
         return self._connected.wait(timeout)
 
+    def _spawn(self, kind: str) -> bool:
+        """Start a thread serving ``kind`` ("jobs" or "probes"); under ``_lock``. False
+        when too many abandoned calls still hold threads (and header pages)."""
+        if self._closed or self._stuck_calls[kind] >= MAX_STUCK_CALLS:
+            return False
+        if kind == "jobs":
+            slot = self._free_slots.pop()
+            t = threading.Thread(
+                target=self._serve_jobs, args=(slot,), name=f"kvtier-{self.name}-io", daemon=True
+            )
+        else:
+            t = threading.Thread(
+                target=self._serve_probes, name=f"kvtier-{self.name}-probe", daemon=True
+            )
+        self._live[kind] += 1
+        self._threads = [x for x in self._threads if x.is_alive()]
+        self._threads.append(t)
+        t.start()
+        return True
+
+    def _fail_queued(self, kind: str) -> None:
+        """Answer every queued job or probe of ``kind`` as failed (no thread serves
+        them); under ``_lock``."""
+        q = self._jobs if kind == "jobs" else self._probes
+        while True:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # shutdown's marker: for the thread that comes back
+                q.put(None)
+                return
+            if kind == "probes":
+                self._answers.append((item, False))
+                continue
+            op, key, _digest, block = item
+            self._unfinished -= 1
+            self._results.append(FsResult(op, key, block, False, "timeout"))
+            if op == "read":
+                self._results.append(FsResult("release", key, block, False, "timeout"))
+
     def _connect_loop(self) -> None:
         """Connect, then register the host regions once they are mapped. Registering
         pins the memory for RDMA, seconds for tens of GiB: never on the scheduler
         thread. Failures back off and try again until shutdown."""
-        delay = BACKOFF_MIN_S
+        delay = self.cfg.backoff_min_s
         while not self._stop.is_set():
             try:
                 if self.client is None:
@@ -205,10 +331,12 @@ class StoreTier(TierJobs):
                     return
                 delay = REGION_POLL_S  # the regions are not mapped yet
             except Exception as exc:
-                self._failures.append(f"connecting failed: {type(exc).__name__}: {exc}")
-                delay = max(delay, BACKOFF_MIN_S)
+                self._outcomes.append(
+                    ("unreachable", f"connecting failed: {type(exc).__name__}: {exc}")
+                )
+                delay = max(delay, self.cfg.backoff_min_s)
                 self._stop.wait(delay)
-                delay = min(BACKOFF_MAX_S, delay * 2)
+                delay = min(self.cfg.backoff_max_s, delay * 2)
                 continue
             self._stop.wait(delay)
 
@@ -233,13 +361,16 @@ class StoreTier(TierJobs):
 
     def contains(self, digest: bytes) -> bool | None:
         """Whether the store holds ``digest``: True or False from memory, or None when
-        unknown (a background check was started; ask again)."""
+        unknown (a background check was started; ask again). A check past
+        ``probe_timeout_s`` answers False (see :meth:`poll`)."""
         if digest in self._index:
             self.stats.queries += 1
             self.stats.hits += 1
             return True
         if self._closed or self._down():
             self.stats.queries += 1
+            if self.client is None and not self._connect_overdue:
+                self._check_connect_deadline()
             return False
         until = self._absent.get(digest)
         if until is not None:
@@ -248,13 +379,24 @@ class StoreTier(TierJobs):
                 return False
             del self._absent[digest]
         if digest not in self._probing:
+            if len(self._probing) >= MAX_PENDING_PROBES:
+                self.stats.queries += 1
+                return False
             self._probing.add(digest)
             self._probes.put(digest)
         return None
 
+    def _check_connect_deadline(self) -> None:
+        """Count one ``timeout`` when connecting takes longer than a call may."""
+        if time.monotonic() - self._started > self.cfg.call_timeout_s:
+            self._connect_overdue = True
+            self._timed_out("connecting to the store")
+
     @property
     def in_flight(self) -> int:
-        return self._inflight or len(self._probing)
+        """Jobs and probes the manager must poll for (abandoned writes excluded: they
+        report when their call returns, which may be never)."""
+        return max(0, self._inflight - self._parked) + len(self._probing) + len(self._results)
 
     @property
     def used_bytes(self) -> int:
@@ -271,6 +413,8 @@ class StoreTier(TierJobs):
             return False
         self._writing.add(digest)
         self._inflight += 1
+        with self._lock:
+            self._unfinished += 1
         self._jobs.put(("write", key, digest, block_id))
         return True
 
@@ -283,14 +427,27 @@ class StoreTier(TierJobs):
         self._reading[digest] = self._reading.get(digest, 0) + 1
         self._index.move_to_end(digest)
         self._inflight += 1
+        with self._lock:
+            self._unfinished += 1
         self._jobs.put(("read", key, digest, block_id))
         return True
 
     def poll(self) -> list[FsResult]:
-        """Finished jobs and probe answers since the last call (scheduler thread)."""
-        while self._failures:
-            self._back_off(self._failures.popleft())
+        """Finished jobs and probe answers since the last call (scheduler thread).
+
+        Abandons store calls past their deadline first. Results are ``"read"`` and
+        ``"write"`` ones, plus ``"release"`` ones: the host block of a read that timed
+        out (reported as a ``"timeout"`` failure) may be used again.
+        """
         now = time.monotonic()
+        if self._calls:
+            self._expire(now)
+        while self._outcomes:
+            kind, why = self._outcomes.popleft()
+            if kind is None:
+                self._backoff = self.cfg.backoff_min_s  # the store answers again
+            else:
+                self._back_off(kind, why)
         while self._answers:
             digest, present = self._answers.popleft()
             self._probing.discard(digest)
@@ -303,6 +460,9 @@ class StoreTier(TierJobs):
         out: list[FsResult] = []
         while self._results:
             res = self._results.popleft()
+            if res.op == "release":
+                out.append(res)
+                continue
             self._inflight -= 1
             digest = fsformat.key_digest(res.key)
             if res.op == "write":
@@ -312,19 +472,62 @@ class StoreTier(TierJobs):
                     self.stats.record(res)
                     if self.cfg.enable_kv_events:
                         self._events.append((False, [res.key]))
-                else:
+                elif res.fault != "timeout":  # a timeout was counted when abandoned
                     self._fault(res.fault or "write_failed", res)
             else:
                 count_down(self._reading, digest)
                 if res.ok:
                     self.stats.record(res)
                 else:
-                    self._fault(res.fault or "unreadable", res)
+                    if res.fault != "timeout":
+                        self._fault(res.fault or "unreadable", res)
                     self._forget(digest, res.key)
             out.append(res)
         self.stats.used_bytes = self.used_bytes
         self.stats.entries = len(self._index)
         return out
+
+    def _expire(self, now: float) -> None:
+        """Abandon every store call past its deadline: its probes answer absent, its
+        reads fail as ``timeout`` (the blocks of reads not started are released at
+        once), a fault is counted, the tier backs off and a new thread serves on."""
+        with self._lock:
+            for call in [c for c in self._calls if now > c.deadline and not c.abandoned]:
+                call.abandoned = True
+                self._calls.discard(call)
+                self._live[call.kind] -= 1
+                what = f"a {call.running or 'queued'} call of {len(call.items)} item(s)"
+                if call.kind == "probes":
+                    self._stuck_calls["probes"] += 1
+                    for d in call.items:
+                        self._answers.append((d, False))
+                else:
+                    self._stuck_calls["jobs"] += 1
+                    for i, (op, key, _digest, block) in enumerate(call.items):
+                        if i in call.done:
+                            continue
+                        started = op == "write" or call.running in ("read", "remove")
+                        if op == "read":
+                            self._results.append(FsResult("read", key, block, False, "timeout"))
+                            if not started:
+                                self._release(call, i)
+                        else:
+                            self._parked += 1  # pinned until the put returns
+                self._outcomes.append(("timeout", f"{what} past its deadline"))
+                if not self._spawn(call.kind):
+                    self._fail_queued(call.kind)
+
+    def _release(self, call: _Call, i: int) -> None:
+        """Job ``i`` of an abandoned call will not touch its host block any more: a
+        read's block may be reused, a write fails; under ``_lock``."""
+        op, key, _, block = call.items[i]
+        call.done.add(i)
+        self._unfinished -= 1
+        if op == "write":
+            self._parked -= 1  # parked when abandoned
+            self._results.append(FsResult("write", key, block, False, "timeout"))
+        else:
+            self._results.append(FsResult("release", key, block, False, "timeout"))
 
     def _remember(self, digest: bytes, key: bytes | None) -> None:
         self._index[digest] = key if key is not None else self._index.get(digest)
@@ -353,45 +556,81 @@ class StoreTier(TierJobs):
                 kind,
             )
 
-    def _back_off(self, why: str) -> None:
-        self._faults["unreachable"] += 1
+    def _back_off(self, kind: str, why: str) -> None:
+        """Count a failed or overdue store call (``kind`` "unreachable" or "timeout")
+        and give misses for the current back-off, which then doubles."""
+        self._faults[kind] = self._faults.get(kind, 0) + 1
         self._down_until = time.monotonic() + self._backoff
-        if "unreachable" not in self._fault_logged:
-            self._fault_logged.add("unreachable")
+        if kind not in self._fault_logged:
+            self._fault_logged.add(kind)
             logger.warning(
                 "kvtier store tier %r: the store did not answer (%s); lookups miss and writes "
-                "are dropped for %.1f s, then it is tried again (back-off up to %.0f s; "
-                "metric vllm:kvtier_fs_faults{tier=%r,kind='unreachable'})",
+                "are dropped for %.1f s, then it is tried again (back-off up to %.0f s, back "
+                "to %.1f s after a call that succeeds; metric "
+                "vllm:kvtier_fs_faults{tier=%r,kind=%r})",
                 self.name,
                 why,
                 self._backoff,
-                BACKOFF_MAX_S,
+                self.cfg.backoff_max_s,
+                self.cfg.backoff_min_s,
+                self.name,
+                kind,
+            )
+        self._backoff = min(self.cfg.backoff_max_s, self._backoff * 2)
+
+    def _timed_out(self, what: str) -> None:
+        super()._timed_out(what)
+        if "timeout" not in self._fault_logged:
+            self._fault_logged.add("timeout")
+            logger.warning(
+                "kvtier store tier %r: %s past the time limit; the engine goes on without "
+                "it (metric vllm:kvtier_fs_faults{tier=%r,kind='timeout'})",
+                self.name,
+                what,
                 self.name,
             )
-        self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until no job is queued or in a store call (abandoned calls included:
+        a late read may still land in its host block), or ``timeout`` seconds passed:
+        then False, and a ``timeout`` fault is counted."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._unfinished > 0:
+            if self._calls:
+                self._expire(time.monotonic())
+            if deadline is not None and time.monotonic() > deadline:
+                self._timed_out(f"{self._unfinished} job(s) still in store calls")
+                return False
+            time.sleep(0.001)
+        return True
 
     def wait_probes(self, timeout: float = 10.0) -> None:
         """Wait until every started existence check answered (tests, benchmarks)."""
         deadline = time.monotonic() + timeout
         while len(self._answers) < len(self._probing) and time.monotonic() < deadline:
+            if self._calls:
+                self._expire(time.monotonic())
             time.sleep(0.001)
         self.poll()
 
     def shutdown(self) -> bool:
-        """Stop the threads (waiting at most ``SHUTDOWN_TIMEOUT_S``); False if one is
+        """Stop the threads (waiting at most ``shutdown_timeout_s``); False if one is
         still in a store call (the host region must then stay mapped)."""
         if self._closed:
             return not self.stuck
         self._closed = True
         self._stop.set()
-        self._jobs.put(None)
-        self._probes.put(None)
-        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-        for t in self._threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.stuck = any(t.is_alive() for t in self._threads)
+        threads = list(self._threads)
+        for _ in threads:
+            self._jobs.put(None)
+            self._probes.put(None)
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        for t in threads:
+            if t.ident:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.stuck = any(t.is_alive() for t in threads)
         if self.stuck:
-            self._faults["timeout"] += 1
+            self._timed_out("shutdown: a store call still running")
         self.poll()
         return not self.stuck
 
@@ -422,61 +661,120 @@ class StoreTier(TierJobs):
             batch.append(nxt)
         return batch
 
-    def _serve_jobs(self) -> None:
-        while (batch := self._take_batch(self._jobs)) is not None:
-            for op in ("write", "read"):
-                same = [j for j in batch if j[0] == op]
-                if same:
-                    self._run_batch(op, same)
+    def _begin(self, kind: str, items: list[Any], slot: int, timeout: float) -> _Call:
+        call = _Call(kind, items, time.monotonic() + timeout, slot)
+        with self._lock:
+            self._calls.add(call)
+        return call
 
-    def _run_batch(self, op: str, batch: list[tuple[str, bytes, bytes, int]]) -> None:
+    def _carry_on(self, call: _Call) -> bool:
+        """After an abandoned call returned: whether its thread serves on (no other
+        thread serves its queue) or ends."""
+        with self._lock:
+            self._stuck_calls[call.kind] -= 1
+            if self._closed or self._live[call.kind]:
+                if call.kind == "jobs":
+                    self._free_slots.append(call.slot)
+                return False
+            self._live[call.kind] += 1
+            return True
+
+    def _serve_jobs(self, slot: int) -> None:
+        while (batch := self._take_batch(self._jobs)) is not None:
+            call = self._begin("jobs", batch, slot, self.cfg.call_timeout_s)
+            for op in ("write", "read"):
+                same = [i for i, j in enumerate(batch) if j[0] == op]
+                if same:
+                    self._run_batch(call, op, same)
+            with self._lock:
+                self._calls.discard(call)
+                if call.abandoned:
+                    # Jobs never started (abandoned first) are released here.
+                    for i in range(len(batch)):
+                        if i not in call.done:
+                            self._release(call, i)
+            if call.abandoned and not self._carry_on(call):
+                return
+
+    def _store_call(self, call: _Call, op: str, fn: Callable[[], Any], n: int) -> list[int]:
+        """Run one store call of ``n`` objects for ``call``: its codes (-1 each when it
+        raised or answered the wrong number of codes). Records the outcome."""
+        with self._lock:
+            if call.abandoned:
+                return [-1] * n
+            call.running = op
+        try:
+            codes = list(fn())
+            if len(codes) != n:
+                raise RuntimeError(f"{len(codes)} codes for {n} objects")
+        except Exception as exc:  # the client raised: the store is unusable for now
+            codes = [-1] * n
+            self._outcomes.append(("unreachable", f"{op}: {type(exc).__name__}: {exc}"))
+            return codes
+        if codes and all(c < 0 and c != OBJECT_NOT_FOUND for c in codes):
+            self._outcomes.append(("unreachable", f"{op} returned {codes[0]}"))
+        elif not call.abandoned:  # a late answer does not end the back-off
+            self._outcomes.append((None, ""))
+        return codes
+
+    def _run_batch(self, call: _Call, op: str, idx: list[int]) -> None:
+        if call.abandoned:
+            return
         t0 = time.perf_counter()
         regions = self._regions
         views = self._views
         assert regions is not None and views is not None
+        batch = [call.items[i] for i in idx]
         keys: list[str] = []
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
         payload = self.payload_bytes
         hsize = fsformat.HEADER_SIZE
+        base = call.slot * self._slot_pages
         for i, (_, _key, digest, block) in enumerate(batch):
             for copy, name in enumerate(self.object_keys(digest)):
-                slot = i * self.copies + copy
+                slot = base + i * self.copies + copy
                 head = self._headers_addr + slot * hsize
                 if op == "write":
                     data = views[copy][block * payload : (block + 1) * payload]
                     page = self._headers_view[slot * hsize : (slot + 1) * hsize]
-                    page[: fsformat.HEADER_USED] = fsformat.encode_header(
-                        self.fingerprints[copy], digest, payload, fsformat.checksum(data)
+                    header = fsformat.encode_header(
+                        self.fingerprints[copy],
+                        digest,
+                        payload,
+                        fsformat.checksum(data),
+                        auth_key=self._key,
+                        payload=data,
                     )
+                    page[: len(header)] = header
                 keys.append(name)
                 ptrs.append([head, regions[copy] + block * payload])
                 sizes.append([hsize, payload])
         client = self.client
         assert client is not None  # jobs are submitted only once connected
-        try:
-            if op == "write":
-                codes = list(client.batch_put_from_multi_buffers(keys, ptrs, sizes))
-            else:
-                codes = list(client.batch_get_into_multi_buffers(keys, ptrs, sizes))
-        except Exception as exc:  # the client raised: the store is unusable for now
-            codes = [-1] * len(keys)
-            self._failures.append(f"{type(exc).__name__}: {exc}")
-        if len(codes) != len(keys):
-            codes = [-1] * len(keys)
-        if codes and all(c < 0 and c != OBJECT_NOT_FOUND for c in codes):
-            self._failures.append(f"{op} returned {codes[0]}")
+        if op == "write":
+            codes = self._store_call(
+                call, op, lambda: client.batch_put_from_multi_buffers(keys, ptrs, sizes), len(keys)
+            )
+        else:
+            codes = self._store_call(
+                call, op, lambda: client.batch_get_into_multi_buffers(keys, ptrs, sizes), len(keys)
+            )
         seconds = (time.perf_counter() - t0) / max(1, len(batch))
+        results: list[FsResult] = []
         corrupt: list[str] = []
+        late = call.abandoned  # read without the lock: rechecked below
         for i, (_, key, digest, block) in enumerate(batch):
             mine = codes[i * self.copies : (i + 1) * self.copies]
             if op == "write":
                 fault = None if all(c == 0 for c in mine) else "write_failed"
+            elif late:
+                fault = "timeout"  # never checked: reported failed already
             else:
-                fault = self._check_read(i, digest, block, mine)
-                if fault == "corrupt":  # removed so that no engine tries it again
+                fault = self._check_read(base + i * self.copies, digest, block, mine)
+                if fault in ("corrupt", "unauthenticated"):  # so no engine tries it again
                     corrupt += self.object_keys(digest)
-            self._results.append(
+            results.append(
                 FsResult(
                     op,
                     key,
@@ -487,14 +785,30 @@ class StoreTier(TierJobs):
                     seconds,
                 )
             )
-        if corrupt:
-            try:
-                client.batch_remove(corrupt, True)
-            except Exception:
-                pass
+        with self._lock:
+            call.running = None
+            for i, res in zip(idx, results):
+                if i in call.done:  # never started, released when abandoned
+                    continue
+                self._unfinished -= 1
+                call.done.add(i)
+                if not call.abandoned:
+                    self._results.append(res)
+                elif op == "write":  # returned late: counted, never trusted
+                    self._parked -= 1
+                    self._results.append(FsResult("write", res.key, res.block_id, False, "timeout"))
+                else:  # the block was reported failed; the manager may reuse it now
+                    self._results.append(
+                        FsResult("release", res.key, res.block_id, False, "timeout")
+                    )
+        if corrupt and not call.abandoned:
+            self._store_call(
+                call, "remove", lambda: client.batch_remove(corrupt, True), len(corrupt)
+            )
 
-    def _check_read(self, i: int, digest: bytes, block: int, codes: list[int]) -> str | None:
-        """The fault of one read (None if every copy arrived intact)."""
+    def _check_read(self, first: int, digest: bytes, block: int, codes: list[int]) -> str | None:
+        """The fault of one read whose header pages start at page ``first`` (None if
+        every copy arrived intact and, with a key, authenticated)."""
         if any(c == OBJECT_NOT_FOUND for c in codes):
             return "vanished"
         if any(c < 0 for c in codes):
@@ -506,8 +820,9 @@ class StoreTier(TierJobs):
         hsize = fsformat.HEADER_SIZE
         payload = self.payload_bytes
         for copy in range(self.copies):
-            slot = i * self.copies + copy
+            slot = first + copy
             page = self._headers_view[slot * hsize : (slot + 1) * hsize]
+            data = views[copy][block * payload : (block + 1) * payload]
             try:
                 crc = fsformat.decode_header(
                     page,
@@ -515,9 +830,10 @@ class StoreTier(TierJobs):
                     digest=digest,
                     payload_len=payload,
                 )
-            except fsformat.FormatError:
-                return "corrupt"
-            data = views[copy][block * payload : (block + 1) * payload]
+                if self._key is not None:
+                    fsformat.check_mac(page, data, self._key)
+            except fsformat.FormatError as exc:
+                return "unauthenticated" if exc.kind == "unauthenticated" else "corrupt"
             if fsformat.checksum(data) != crc:
                 return "corrupt"
         return None
@@ -525,18 +841,20 @@ class StoreTier(TierJobs):
     def _serve_probes(self) -> None:
         while (batch := self._take_batch(self._probes)) is not None:
             keys = [k for d in batch for k in self.object_keys(d)]
+            call = self._begin("probes", batch, -1, self.cfg.probe_timeout_s)
             client = self.client
-            try:
-                if client is None:
-                    raise RuntimeError("not connected")
-                codes = list(client.batch_is_exist(keys))
-            except Exception as exc:
+            if client is None:
                 codes = [-1] * len(keys)
-                self._failures.append(f"{type(exc).__name__}: {exc}")
-            if len(codes) != len(keys):
-                codes = [-1] * len(keys)
-            elif codes and all(c < 0 for c in codes):
-                self._failures.append(f"existence check returned {codes[0]}")
-            for i, d in enumerate(batch):
-                mine = codes[i * self.copies : (i + 1) * self.copies]
-                self._answers.append((d, all(c == 1 for c in mine)))
+                self._outcomes.append(("unreachable", "existence check: not connected"))
+            else:
+                codes = self._store_call(
+                    call, "probe", partial(client.batch_is_exist, keys), len(keys)
+                )
+            with self._lock:
+                self._calls.discard(call)
+                if not call.abandoned:  # else answered absent already
+                    for i, d in enumerate(batch):
+                        mine = codes[i * self.copies : (i + 1) * self.copies]
+                        self._answers.append((d, all(c == 1 for c in mine)))
+            if call.abandoned and not self._carry_on(call):
+                return

@@ -38,6 +38,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from kvtier.blockpool import HostBlockPool, HostRegion, resolve_budget, round_up
 from kvtier.tiering_spec import metrics as m
 from kvtier.tiering_spec import vllm_compat as compat
+from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.config import (
     ConfigError,
     FsTierConfig,
@@ -536,7 +537,18 @@ class TieringOffloadingSpec(_KvtierSpec):
                             layouts,
                             payload,
                             views,
-                            StoreTierSettings(name, cfg.locality, events),
+                            StoreTierSettings(
+                                name,
+                                cfg.locality,
+                                events,
+                                auth_key=(
+                                    load_auth_key(
+                                        cfg.auth_key_file, f"secondary_tiers[{i}].auth_key_file"
+                                    )
+                                    if cfg.auth_key_file
+                                    else None
+                                ),
+                            ),
                         )
                     )
                     continue
