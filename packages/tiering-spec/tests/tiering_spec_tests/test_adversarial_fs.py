@@ -98,13 +98,15 @@ def block_path(tier: FileSystemTier, key: bytes, root: Path | None = None) -> Pa
 
 
 def assert_not_loaded(tier: FileSystemTier, region: Region, key: bytes, block: int) -> None:
-    """``key`` is a miss, or a read of it fails: the host block never holds the forgery."""
+    """``key`` is a miss, or a read of it fails (the manager then frees the host block
+    unused: nothing reaches the device)."""
     region.fill(0, block, 7)
     digest = key_digest(key)
     if tier.contains(digest) and tier.submit_read(key, digest, block):
         [res] = wait_results(tier)
         assert not res.ok, f"a file this engine never wrote was loaded: {res}"
-    assert region.block(0, block) != FORGED
+    else:
+        assert region.block(0, block) != FORGED
 
 
 # ------------------------------------------------------------------ another user's files
@@ -495,3 +497,70 @@ def test_forged_files_of_another_user_never_reach_the_engine(tmp_path: Path) -> 
     # Not one forgery indexed: the second engine read only the files it wrote itself.
     assert second.stats.files_indexed_at_start == 0
     assert second.stats.reads <= second.stats.writes
+
+
+# ------------------------------------------------------------------ a shared filesystem
+
+
+def key_file(tmp_path: Path, name: str = "key", secret: bytes | None = None) -> str:
+    path = tmp_path / name
+    path.write_bytes(secret if secret is not None else os.urandom(64))
+    path.chmod(0o600)
+    return str(path)
+
+
+def start_keyed(
+    made: list[FileSystemTier], root: Path, region: Region, auth_key_file: str | None
+) -> FileSystemTier:
+    cfg = FsTierConfig(
+        root_dir=str(root), n_read_threads=1, n_write_threads=1, auth_key_file=auth_key_file
+    )
+    tier = FileSystemTier(cfg, layouts(), region.payload, region.views)
+    made.append(tier)
+    assert tier.wait_scan(30)
+    return tier
+
+
+def test_with_auth_key_file_a_file_forged_under_this_uid_is_never_loaded(
+    tmp_path: Path, tiers: list[FileSystemTier]
+) -> None:
+    """On a shared filesystem the uid does not prove authorship (NFS trusts the uid a
+    client asserts): with a key, a file with a valid header and checksum but no valid
+    MAC is refused, counted and removed; the engine's own files load."""
+    region = Region(4)
+    root = tmp_path / "fs"
+    key = key_file(tmp_path)
+    tier = start_keyed(tiers, root, region, key)
+    write(tier, region, b"mine", 0)
+    expected = region.block(0, 0)
+    forged = block_path(tier, b"theirs")
+    forged.write_bytes(forged_block(tier.fingerprints[0], b"theirs", FORGED))
+    forged.chmod(0o600)
+    settle_discovery(tier)
+    assert tier.contains(key_digest(b"theirs")), "this user's file is indexed (then checked)"
+    assert_not_loaded(tier, region, b"theirs", 2)
+    assert tier.faults()["unauthenticated"] == 1
+    deadline = time.monotonic() + 5
+    while forged.exists() and time.monotonic() < deadline:  # removed by an I/O thread
+        time.sleep(0.01)
+        tier.poll()
+    assert not forged.exists(), "the forgery was not removed"
+    assert tier.submit_read(b"mine", key_digest(b"mine"), 1)
+    [res] = wait_results(tier)
+    assert res.ok and region.block(0, 1) == expected
+    # An engine with another key refuses this one's files; one without a key reads them.
+    tier.shutdown()
+    other = start_keyed(tiers, root, region, key_file(tmp_path, "other"))
+    assert_not_loaded(other, region, b"mine", 2)
+    assert other.faults()["unauthenticated"] == 1
+
+
+def test_an_auth_key_file_others_can_read_is_refused_at_start(tmp_path: Path) -> None:
+    key = key_file(tmp_path)
+    os.chmod(key, 0o644)
+    raw = fs_config(tmp_path / "fs")
+    raw["secondary_tiers"][0]["auth_key_file"] = key  # type: ignore[index]
+    with pytest.raises(ConfigError, match="auth_key_file"):
+        parse_config(raw, tiering=True)
+    with pytest.raises(ConfigError, match="auth_key_file"):
+        start_keyed([], tmp_path / "fs", Region(1), key)

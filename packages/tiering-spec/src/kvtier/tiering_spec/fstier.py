@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.tiering_spec import fsformat
+from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig
 from kvtier.tiering_spec.fsdirs import DIR_FLAGS, TierDirs
 
@@ -66,7 +67,7 @@ FAULT_KINDS = (
     "unauthenticated",  # no valid MAC where a key is configured (auth_key_file)
 )
 # Faults whose file is removed at once: damaged, or not this tier's.
-_REMOVED_FAULTS = ("corrupt", "truncated", "foreign")
+_REMOVED_FAULTS = ("corrupt", "truncated", "foreign", "unauthenticated")
 _STALE_TMP_S = 3600.0
 # Without capacity_bytes the tier may fill this share of the free space it found.
 DEFAULT_FREE_FRACTION = 0.5
@@ -355,6 +356,14 @@ class FileSystemTier(TierJobs):
             )
         self._region_views = region_views
         self._views: Sequence[memoryview] | None = None
+        # A shared secret: every file carries a keyed MAC, checked on every read. For a
+        # filesystem where this user id does not prove authorship (NFS without
+        # Kerberos trusts the uid a client asserts).
+        self._key = (
+            None
+            if cfg.auth_key_file is None
+            else load_auth_key(cfg.auth_key_file, f"fs tier {name!r} auth_key_file")
+        )
         self.fingerprints = [fsformat.layout_fingerprint(layout) for layout in layouts]
         # Every folder is checked and held open from here on; files are reached only
         # relative to these descriptors.
@@ -430,7 +439,7 @@ class FileSystemTier(TierJobs):
         self._scanner.start()
         logger.info(
             "kvtier fs tier %r at %s: %s I/O, %d read / %d write threads, capacity %s, "
-            "fingerprint(s) %s; files of earlier runs are indexed in the background",
+            "fingerprint(s) %s; %s; files of earlier runs are indexed in the background",
             name,
             cfg.root_dir,
             "O_DIRECT" if self.direct else "buffered (O_DIRECT refused by the filesystem)",
@@ -444,6 +453,9 @@ class FileSystemTier(TierJobs):
                 else ""
             ),
             ",".join(fp.hex()[:12] for fp in self.fingerprints),
+            "files loaded only with a valid MAC of auth_key_file"
+            if self._key is not None
+            else "files loaded only if this OS user owns them",
         )
 
     def _default_capacity(self, held: int) -> int:
@@ -1179,9 +1191,10 @@ class FileSystemTier(TierJobs):
     def _write_fd(self, fd: int, fingerprint: bytes, digest: bytes, payload: memoryview) -> None:
         hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
         crc = fsformat.checksum(payload)
-        hdr[: fsformat.HEADER_USED] = fsformat.encode_header(
-            fingerprint, digest, self.payload_bytes, crc
+        head = fsformat.encode_header(
+            fingerprint, digest, self.payload_bytes, crc, auth_key=self._key, payload=payload
         )
+        hdr[: len(head)] = head
         total = self.file_bytes
         written = _pwritev(fd, [hdr, payload], 0)
         while written < total:  # short writes: continue where it stopped
@@ -1289,6 +1302,8 @@ class FileSystemTier(TierJobs):
         )
         if fsformat.checksum(payload) != crc:
             raise fsformat.FormatError("corrupt", "payload checksum mismatch")
+        if self._key is not None:
+            fsformat.check_mac(hdr, payload, self._key)
 
     def _unlink_task(self, digest: bytes) -> None:
         shard, name = self._where(digest)
