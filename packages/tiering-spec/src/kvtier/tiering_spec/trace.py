@@ -28,6 +28,7 @@ This module loads traces and computes the offline optimum without torch or vLLM;
 
 from __future__ import annotations
 
+import argparse
 import bz2
 import gzip
 import heapq
@@ -36,6 +37,8 @@ import json
 import lzma
 import math
 import os
+import sys
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,3 +231,255 @@ def optimum(
             heap = [(-nu, 0, b) for b, nu in cache.items()]
             heapq.heapify(heap)
     return Optimum(served, present)
+
+
+# ---------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The KV bytes a block of ``tokens`` tokens takes: Llama-3-8B in bf16 by default."""
+
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype_bytes: int = 2
+    tokens: int = BLOCK_TOKENS
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes * self.tokens
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The per-capacity table of a report (as written by ``--json``)."""
+    caps = report["capacities"]
+    block = report["bytes_per_block"]
+    lines = [
+        f"trace {report['trace']}: {report['requests']:,} requests, "
+        f"{report['prompt_blocks']:,} prompt blocks, {report['distinct_blocks']:,} distinct; "
+        f"a block = {_bytes(block)}"
+    ]
+    for i, cap in enumerate(caps):
+        opt = report["optimum"][i]
+        lines.append("")
+        lines.append(
+            f"capacity {cap:,} blocks (host {_bytes(cap * block)}): optimum serves "
+            f"{100 * opt:.1f}% (no policy can exceed {100 * report['optimum_bound'][i]:.1f}%)"
+            + (
+                f"; both for the host tier alone, the fs tier adds {report['fs_capacity']:,}"
+                if report.get("fs_capacity")
+                else ""
+            )
+        )
+        lines.append(
+            f"  {'policy':<12} {'served':>7} {'host':>7} {'fs':>7} "
+            f"{'host B/served':>14} {'fs B/served':>12} {'vs optimum':>10}"
+        )
+        for name, row in report["policies"].items():
+            served = row["served"][i]
+            host_w = row["host_written_per_served"][i]
+            fs_w = row["fs_written_per_served"][i]
+            lines.append(
+                f"  {name:<12} {100 * served:6.1f}% {100 * row['served_host'][i]:6.1f}% "
+                f"{100 * row['served_fs'][i]:6.1f}% "
+                f"{_bytes(host_w) if host_w is not None else '-':>14} "
+                f"{_bytes(fs_w) if fs_w is not None else '-':>12} "
+                f"{served / opt if opt else 0.0:10.2f}"
+            )
+    lines.append("")
+    lines.append(
+        "served: prompt blocks served from a tier / all prompt blocks; host/fs: the same by "
+        "tier; B/served: bytes written to the tier per block served"
+    )
+    return "\n".join(lines)
+
+
+def write_png(report: dict[str, Any], path: str) -> str | None:
+    """Draw hit ratio against capacity, one line per policy, the optimum as the ceiling.
+    Returns None, or why no PNG was written (matplotlib missing: the ``trace`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (
+            "matplotlib is not installed, so no PNG was written "
+            "(pip install 'kvtier-tiering-spec[trace]'; or draw it later from the JSON: "
+            "python -m kvtier.tiering_spec.trace --plot JSON --png OUT)"
+        )
+    caps = report["capacities"]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.fill_between(caps, [100 * v for v in report["optimum"]], color="0.9", zorder=0)
+    ax.plot(caps, [100 * v for v in report["optimum"]], "k--", label="optimum (MIN)", lw=1.5)
+    for name, row in report["policies"].items():
+        style = ":" if name.startswith("vllm-") else "-"
+        ax.plot(caps, [100 * v for v in row["served"]], style, marker="o", ms=3, label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"capacity (blocks of {report.get('block_tokens', BLOCK_TOKENS)} tokens)")
+    ax.set_ylabel("prompt blocks served from cache (%)")
+    ax.set_title(f"{Path(report['trace']).name}: hit ratio against capacity", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return None
+
+
+class Progress:
+    """A plain-text progress bar on stderr (redrawn in place on a terminal)."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 30) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.enabled = enabled
+        self.width = width
+        self.tty = sys.stderr.isatty()
+        self.start = time.monotonic()
+        self._last = -1.0
+
+    def advance(self, n: int, label: str) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        final = self.done >= self.total
+        if not final and now - self._last < (0.2 if self.tty else 10.0):
+            return
+        self._last = now
+        frac = min(1.0, self.done / self.total)
+        filled = int(frac * self.width)
+        bar = "#" * filled + "." * (self.width - filled)
+        text = f"[{bar}] {100 * frac:5.1f}% {now - self.start:6.1f} s  {label}"
+        if self.tty:
+            sys.stderr.write("\r" + text.ljust(100)[:100] + ("\n" if final else ""))
+        else:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v.replace("_", "")) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m kvtier.tiering_spec.trace",
+        description=(
+            "Replay a request trace (Mooncake's format) through kvtier's host tier (and fs "
+            "tier), vLLM's CPUOffloadingManager and Belady's MIN, at several capacities."
+        ),
+    )
+    p.add_argument(
+        "--trace",
+        help="trace file, plain, gzip or xz (default: the bundled Mooncake conversation trace)",
+    )
+    p.add_argument(
+        "--capacities",
+        type=_int_list,
+        default=[1000, 4000, 16000],
+        help="host tier capacities in blocks, comma-separated",
+    )
+    p.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated: kvtier policies by name (every one kvtier.blockpool "
+        "registers, by default) and vllm-lru, vllm-arc (vLLM's manager)",
+    )
+    p.add_argument(
+        "--fs-capacity",
+        type=int,
+        default=None,
+        help="add an fs tier of this many blocks behind kvtier's host tier "
+        "(real files in a temporary directory)",
+    )
+    p.add_argument("--fs-dir", default=None, help="where the fs tier's temporary directory goes")
+    p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--layers", type=int, default=ModelShape.layers)
+    p.add_argument("--kv-heads", type=int, default=ModelShape.kv_heads)
+    p.add_argument("--head-dim", type=int, default=ModelShape.head_dim)
+    p.add_argument("--dtype-bytes", type=int, default=ModelShape.dtype_bytes)
+    p.add_argument(
+        "--tokens-per-block",
+        type=int,
+        default=BLOCK_TOKENS,
+        help="tokens of one trace block (sizes only; the trace's blocks are 512)",
+    )
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--png", help="draw the hit ratios here (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        metavar="JSON",
+        help="draw --png from a report written earlier by --json, and exit",
+    )
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    if args.plot:
+        if not args.png:
+            p.error("--plot needs --png")
+        with open(args.plot) as f:
+            report = json.load(f)
+        why = write_png(report, args.png)
+        if why:
+            print(why, file=sys.stderr)
+            return 1
+        print(f"wrote {args.png}")
+        return 0
+
+    from kvtier.tiering_spec import replay
+
+    try:
+        requests = load_trace(args.trace)
+    except TraceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.requests is not None:
+        requests = requests[: args.requests]
+    policies = replay.resolve_policies(args.policies)
+    shape = ModelShape(
+        args.layers, args.kv_heads, args.head_dim, args.dtype_bytes, args.tokens_per_block
+    )
+    t0 = time.monotonic()
+    report = replay.run(
+        requests,
+        args.capacities,
+        policies,
+        shape=shape,
+        fs_capacity=args.fs_capacity,
+        fs_dir=args.fs_dir,
+        trace_name=str(args.trace or DEFAULT_TRACE.name),
+        progress=not args.no_progress,
+    )
+    print(format_report(report))
+    print(f"\nreplayed in {time.monotonic() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    if args.png:
+        why = write_png(report, args.png)
+        print(why if why else f"wrote {args.png}", file=sys.stderr if why else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
