@@ -83,6 +83,7 @@ class RunStats:
     served_fs: int = 0
     host_written: int = 0  # device -> host stores and fs -> host promotions
     fs_written: int = 0
+    fs_dropped: int = 0  # write-throughs dropped: too many host blocks waiting for writes
     store_refused: int = 0  # prepare_store returned None
     wait_steps: int = 0  # scheduler steps requests waited for fs promotions
 
@@ -325,6 +326,7 @@ def replay(
     if counters is not None:
         stats.host_written += counters.promotions
         stats.fs_written = counters.writes_submitted - counters.write_failures
+        stats.fs_dropped = counters.writes_dropped
     return stats
 
 
@@ -361,6 +363,7 @@ def run(
                 "fs_written_per_served",
                 "vs_optimum",
                 "store_refused",
+                "fs_writes_dropped",
             )
         }
         for cap in capacities:
@@ -386,6 +389,7 @@ def run(
             opt = opts[len(row["vs_optimum"])].served
             row["vs_optimum"].append(served / opt if opt else None)
             row["store_refused"].append(st.store_refused)
+            row["fs_writes_dropped"].append(st.fs_dropped)
         rows[name] = row
     return {
         "trace": trace_name,
