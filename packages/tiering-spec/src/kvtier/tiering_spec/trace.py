@@ -317,13 +317,14 @@ def write_png(report: dict[str, Any], path: str) -> str | None:
             "python -m kvtier.tiering_spec.trace --plot JSON --png OUT)"
         )
     caps = report["capacities"]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    ax.fill_between(caps, [100 * v for v in report["optimum"]], color="0.9", zorder=0)
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     ax.plot(caps, [100 * v for v in report["optimum"]], "k--", label="optimum (MIN)", lw=1.5)
     for name, row in report["policies"].items():
         style = ":" if name.startswith("vllm-") else "-"
         ax.plot(caps, [100 * v for v in row["served"]], style, marker="o", ms=3, label=name)
     ax.set_xscale("log")
+    ax.set_xticks(caps, [f"{c:,}" for c in caps])
+    ax.minorticks_off()
     ax.set_xlabel(f"capacity (blocks of {report.get('block_tokens', BLOCK_TOKENS)} tokens)")
     ax.set_ylabel("prompt blocks served from cache (%)")
     ax.set_title(f"{Path(report['trace']).name}: hit ratio against capacity", fontsize=10)
