@@ -278,7 +278,7 @@ def test_cli_json_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     )
     out = tmp_path / "r.json"
     args = ["--trace", str(trace), "--capacities", "5,20", "--json", str(out), "--no-progress"]
-    assert main([*args, "--policies", "lru,vllm-lru", "--layers", "1"]) == 0
+    assert main([*args, "--policies", "lru,vllm-lru", "--layers", "1", "--markdown"]) == 0
     report = json.loads(out.read_text())
     assert report["capacities"] == [5, 20]
     assert report["bytes_per_block"] == 2 * 1 * 8 * 128 * 2 * 512
@@ -289,6 +289,8 @@ def test_cli_json_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert all(0 <= s <= o + 1e-12 for s, o in zip(row["served"], report["optimum_bound"]))
     text = capsys.readouterr().out
     assert "capacity 5 blocks" in text and "vllm-lru" in text
+    assert "| policy | 5 (10 MiB) | 20 (40 MiB) |" in text  # the Markdown table
+    assert "\n| lru | " in text and "\n| optimum (MIN) | " in text
 
 
 def test_cli_refuses_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

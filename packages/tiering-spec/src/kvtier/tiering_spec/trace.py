@@ -254,7 +254,7 @@ class ModelShape:
 def _bytes(n: float) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{n / size:.1f} {unit}"
+            return f"{n / size:.1f}".removesuffix(".0") + f" {unit}"
     return f"{n:.0f} B"
 
 
@@ -298,6 +298,32 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         "served: prompt blocks served from a tier / all prompt blocks; host/fs: the same by "
         "tier; B/served: bytes written to the tier per block served"
+    )
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The served shares as a Markdown table: a row per policy (the ratio to the
+    optimum in brackets), then the optimum and its bound; a column per capacity."""
+    caps = report["capacities"]
+    block = report["bytes_per_block"]
+    head = " | ".join(f"{c:,} ({_bytes(c * block)})" for c in caps)
+    lines = [
+        f"| policy | {head} |",
+        "| --- |" + " --- |" * len(caps),
+    ]
+    for name, row in report["policies"].items():
+        cells = []
+        for served, opt in zip(row["served"], report["optimum"]):
+            cells.append(f"{100 * served:.1f}% ({served / opt:.2f})" if opt else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| optimum (MIN) | " + " | ".join(f"{100 * v:.1f}%" for v in report["optimum"]) + " |"
+    )
+    lines.append(
+        "| bound (MIN, any cached block) | "
+        + " | ".join(f"{100 * v:.1f}%" for v in report["optimum_bound"])
+        + " |"
     )
     return "\n".join(lines)
 
@@ -431,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help="draw --png from a report written earlier by --json, and exit",
     )
+    p.add_argument(
+        "--markdown", action="store_true", help="also print the served shares as a Markdown table"
+    )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
@@ -471,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
     )
     print(format_report(report))
+    if args.markdown:
+        print("\n" + format_markdown(report))
     print(f"\nreplayed in {time.monotonic() - t0:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
