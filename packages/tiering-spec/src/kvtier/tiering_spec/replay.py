@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -262,7 +263,7 @@ def replay(
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
     HIT, MISS = LookupResult.HIT, LookupResult.MISS
-    core = getattr(manager, "core", None)  # kvtier's TierManager, else vLLM's manager
+    core: Any = getattr(manager, "core", None)  # kvtier's TierManager, else vLLM's manager
     note_new = getattr(manager, "note_new_request", None)
     fs = bool(core is not None and core.fs_tiers)
     counters = core.counters if core is not None else None
@@ -330,6 +331,10 @@ def replay(
     return stats
 
 
+def _advance(bar: Progress, label: str, n: int) -> None:
+    bar.advance(n, label)
+
+
 def run(
     requests: Sequence[TraceRequest],
     capacities: Sequence[int],
@@ -373,7 +378,7 @@ def run(
             else:
                 ctx = vllm_manager(name, cap)
             with ctx as manager:
-                st = replay(manager, keys, on_progress=lambda n, lb=label: bar.advance(n, lb))
+                st = replay(manager, keys, on_progress=functools.partial(_advance, bar, label))
             served = st.served
             row["served"].append(served / total if total else 0.0)
             row["served_host"].append(st.served_host / total if total else 0.0)
