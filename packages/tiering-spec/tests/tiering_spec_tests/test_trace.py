@@ -7,6 +7,7 @@ import importlib.util
 import json
 import lzma
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -297,3 +298,32 @@ def test_cli_refuses_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
     trace = _write(tmp_path / "t.jsonl", [_line(0, [0]), '{"timestamp": 1}'])
     assert main(["--trace", str(trace), "--no-progress"]) == 2
     assert "t.jsonl:2: missing key 'input_length'" in capsys.readouterr().err
+
+
+REPORT = {
+    "trace": "t.jsonl",
+    "block_tokens": 512,
+    "capacities": [10, 100],
+    "optimum": [0.2, 0.3],
+    "optimum_bound": [0.2, 0.3],
+    "policies": {"lru": {"served": [0.05, 0.2]}, "vllm-lru": {"served": [0.05, 0.2]}},
+}
+
+
+def test_chart_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(REPORT))
+    assert main(["--plot", str(report), "--png", str(tmp_path / "c.png")]) == 1
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_chart_from_json(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(REPORT))
+    assert main(["--plot", str(report), "--png", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
