@@ -15,6 +15,9 @@ and nothing else caches its prefix (no device prefix cache):
    again), ``complete_store(keys_to_store)``;
 5. ``on_schedule_end``, ``on_request_finished(ctx)``.
 
+``touch`` is never called: vLLM 0.32's connector leaves recency to the manager's
+``on_request_finished``.
+
 A request is *served* the hits of step 2: its longest cached prefix. One key is one
 512-token block id of the trace (``make_offload_key(id, group 0)``), one host chunk.
 kvtier's manager is the class vLLM instantiates from ``CPUOffloadingSpec`` (host
