@@ -355,9 +355,14 @@ def run(
     keys = trace_keys(requests)
     ids = [r.hash_ids for r in requests]
     total = sum(len(k) for k in keys)
-    bar = Progress(len(requests) * len(capacities) * len(policies), progress)
+    # MIN costs about a quarter of a replay per capacity: it counts as such on the bar.
+    min_work = max(1, len(requests) // 4)
+    bar = Progress((len(requests) * len(policies) + min_work) * len(capacities), progress)
     uses = next_uses(ids)
-    opts = [optimum(ids, cap, uses) for cap in capacities]
+    opts = []
+    for cap in capacities:
+        opts.append(optimum(ids, cap, uses))
+        bar.advance(min_work, f"optimum at {cap:,}")
     rows: dict[str, dict[str, list[Any]]] = {}
     kvtier_names = set(kvtier_policies())
     for name in policies:
