@@ -208,3 +208,39 @@ def test_arc_policy_copies_and_pickles_with_its_state() -> None:
     twin = copy.deepcopy(arc)
     twin.touch(["c"])
     assert list(arc.t1) == ["c", "d"], "touching a deep copy changed the original"
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_a_finished_request_gives_up_its_prefix_from_the_tail(name: str) -> None:
+    pool = HostBlockPool(4, eviction_policy=name)
+    plan = pool.prepare_store([1, 2, 3, 4])
+    assert plan is not None
+    pool.complete_store(plan.keys)
+    pool.finish_request([1, 2, 3, 4], reused=())
+    plan = pool.prepare_store([5])
+    assert plan is not None and plan.evicted == [4], "the tail goes first"
+
+
+def test_arc_finish_counts_only_reused_keys_as_a_second_use() -> None:
+    arc = ARCPolicy(8)
+    arc.insert(list("abcd"))
+    arc.touch_prefix(list("abcd"), reused={"a", "b"})  # c, d were stored by the request
+    assert list(arc.t1) == ["d", "c"], "stored keys stay in T1, tail oldest"
+    assert list(arc.t2) == ["b", "a"], "reused keys enter T2, head newest"
+
+
+class RecordTouches(EvictNewestFirst):
+    """A custom policy with no ``touch_prefix``, recording its touches."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.touched: list[list[Hashable]] = []
+
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        self.touched.append(list(keys))
+
+
+def test_a_policy_without_touch_prefix_is_touched_when_a_request_finishes() -> None:
+    pool = HostBlockPool(3, cache_policy_module_path=f"{__name__}:RecordTouches")
+    pool.finish_request([b"a", b"b", b"c"], reused={b"a"})
+    assert pool.policy.touched == [[b"a", b"b", b"c"]]  # type: ignore[attr-defined]

@@ -6,6 +6,10 @@ leave it other than by eviction (``remove``), and asks it for victims with
 ``evict``, passing a predicate that says whether a key may go now (pinned and
 unfinished blocks may not). A policy must not evict a key the predicate refuses.
 
+When a request finishes, the pool passes all of its keys, head first, to the
+policy's optional ``touch_prefix`` (a policy without one gets ``touch``): the keys
+it stored as well as those it reused, so that its prefix's tail goes first.
+
 Policies are chosen by name (``lru``, ``arc``) or loaded from a module path
 ``"package.module:ClassName"`` (or ``"package.module.ClassName"``).
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
 Key = Hashable
@@ -37,6 +41,14 @@ class EvictionPolicy(Protocol):
 
     def remove(self, key: Key) -> None:
         """``key`` left the cache other than by ``evict`` (a failed store, a clear)."""
+
+    # Optional (the pool calls ``touch(keys)`` on policies without it):
+    #
+    # def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
+    #     """A request finished with ``keys``, its keys in prefix order (head first):
+    #     the head ends up the most recently used, the tail the least. Only the keys
+    #     in ``reused`` were used again; the others the request stored, which is not
+    #     a second use. Unknown keys are ignored."""
 
     def evict(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         """Choose and forget ``n`` keys for which ``evictable`` is true.
@@ -65,6 +77,9 @@ class LRUPolicy:
         for key in reversed(keys):
             if key in order:
                 move(key)
+
+    def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
+        self.touch(keys)  # a store is as recent as a use
 
     def remove(self, key: Key) -> None:
         del self._order[key]
@@ -145,6 +160,21 @@ class ARCPolicy:
             elif key in t1:
                 del t1[key]
                 t2[key] = None
+
+    def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
+        """A request finished with ``keys`` (head first): the keys in ``reused`` are
+        touched; the others (stored by the request) move to the new end of the list
+        they are in, as a store is not a second use. The head ends up the newest."""
+        t1, t2 = self.t1, self.t2
+        for key in reversed(keys):
+            if key in t2:
+                t2.move_to_end(key)
+            elif key in t1:
+                if key in reused:
+                    del t1[key]
+                    t2[key] = None
+                else:
+                    t1.move_to_end(key)
 
     def remove(self, key: Key) -> None:
         """``key`` left the cache other than by ``evict``; it leaves no ghost."""
