@@ -44,7 +44,7 @@ def test_chunk_size_must_be_a_positive_integer(key: str, bad: object) -> None:
 
 
 def test_eviction_policy_names_the_allowed_values() -> None:
-    with pytest.raises(ConfigError, match=r"eviction_policy must be one of lru, arc"):
+    with pytest.raises(ConfigError, match=r"eviction_policy must be one of lru, arc, frecency"):
         parse_config({**BASE, "eviction_policy": "mru"}, tiering=False)
 
 
