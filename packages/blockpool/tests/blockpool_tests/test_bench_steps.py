@@ -24,11 +24,13 @@ def test_step_replay_touches_whole_contexts_and_reports_each_part(
     # 8 requests, 256 tokens of context, blocks of 32 tokens: 8 blocks cached each;
     # every request stores two blocks, touching its 9 and then its 10 keys.
     result = bench.measure_steps((8, 256, 32), with_vllm=False, repeats=1)
-    assert sorted(len(keys) for keys in touched) == [9] * 8 + [10] * 8
+    pools = len(bench.STEP_POLICIES)  # each pool replays the same calls
+    assert sorted(len(keys) for keys in touched) == [9] * 8 * pools + [10] * 8 * pools
     firsts = {keys[0] for keys in touched}
     assert len(firsts) == 8, "each request touches its own keys, its prefix first"
     assert result["keys_touched_per_step"] == 8 * (8 + 1.5) / 32
     assert result["kvtier_store_us"] > 0 and result["kvtier_touch_us"] > 0
+    assert result["frecency_store_us"] > 0 and result["frecency_touch_us"] > 0
     assert "vllm_touch_us" not in result, "vLLM was not asked for"
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import pytest
 
-from kvtier.blockpool import ARCPolicy, HostBlockPool, LRUPolicy, make_policy
+from kvtier.blockpool import ARCPolicy, FrecencyPolicy, HostBlockPool, LRUPolicy, make_policy
 
 
 def always(_: Hashable) -> bool:
@@ -115,6 +115,58 @@ def test_arc_in_pool_keeps_reused_prefix_over_a_scan() -> None:
     assert pool.lookup(hot) == 2, "ARC let a scan flush the reused keys"
 
 
+@pytest.mark.parametrize(("name", "kept"), [("lru", 0), ("frecency", 2)])
+def test_frecency_keeps_a_shared_prefix_a_while_then_forgets_it(name: str, kept: int) -> None:
+    pool = HostBlockPool(4, eviction_policy=name)
+    hot = [b"h0", b"h1"]
+
+    def serve(keys: list[bytes]) -> None:
+        hits = pool.lookup(keys)
+        plan = pool.prepare_store(keys)
+        assert plan is not None
+        pool.complete_store(plan.keys)
+        pool.finish_request(keys, reused=set(keys[:hits]))
+
+    serve(hot)
+    serve(hot)  # two requests share the prefix
+    for i in range(2):  # one-off requests: 4 more blocks into 4
+        serve([b"s%d" % i, b"t%d" % i])
+    assert pool.lookup(hot) == kept
+    for i in range(2, 6):  # its extra use is worth tau (here 4) stored blocks: it goes
+        serve([b"s%d" % i, b"t%d" % i])
+    assert pool.lookup(hot) == 0
+
+
+def test_frecency_remembers_the_uses_of_evicted_keys() -> None:
+    policy = FrecencyPolicy(2)
+    policy.insert(["a"])
+    for _ in range(3):
+        policy.touch_prefix(["a"], {"a"})
+    assert policy.evict(1, always) == ["a"]
+    policy.insert(["a"])  # it comes back: its three uses with it
+    policy.insert(["b"])
+    policy.touch_prefix(["b"], ())
+    assert policy.keys_in_eviction_order() == ["b", "a"]
+
+
+def test_frecency_halves_uses_when_lru_would_have_hit_more() -> None:
+    policy = FrecencyPolicy(2)
+    policy.insert(["old"])
+    policy.touch_prefix(["old"], ())
+    for _ in range(3):  # three more requests use it; they hit, as under LRU
+        policy.touch_prefix(["old"], {"old"})
+    assert policy._seen["old"][0] == 4
+    policy.insert(["x"])
+    policy.touch_prefix(["x"], ())
+    # "x" comes back within 2 stored blocks, twice, after frecency evicted it: two
+    # reuses LRU would have hit and frecency missed, at the next tuning.
+    for _ in range(2):
+        assert policy.evict(1, lambda key: key == "x") == ["x"]
+        policy.insert(["x"])
+        policy.touch_prefix(["x"], ())
+    assert policy._seen["old"][0] == 2
+
+
 class EvictNewestFirst:
     """A custom policy for the plug-in test: most recently inserted goes first."""
 
@@ -208,3 +260,39 @@ def test_arc_policy_copies_and_pickles_with_its_state() -> None:
     twin = copy.deepcopy(arc)
     twin.touch(["c"])
     assert list(arc.t1) == ["c", "d"], "touching a deep copy changed the original"
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "frecency"])
+def test_a_finished_request_gives_up_its_prefix_from_the_tail(name: str) -> None:
+    pool = HostBlockPool(4, eviction_policy=name)
+    plan = pool.prepare_store([1, 2, 3, 4])
+    assert plan is not None
+    pool.complete_store(plan.keys)
+    pool.finish_request([1, 2, 3, 4], reused=())
+    plan = pool.prepare_store([5])
+    assert plan is not None and plan.evicted == [4], "the tail goes first"
+
+
+def test_arc_finish_counts_only_reused_keys_as_a_second_use() -> None:
+    arc = ARCPolicy(8)
+    arc.insert(list("abcd"))
+    arc.touch_prefix(list("abcd"), reused={"a", "b"})  # c, d were stored by the request
+    assert list(arc.t1) == ["d", "c"], "stored keys stay in T1, tail oldest"
+    assert list(arc.t2) == ["b", "a"], "reused keys enter T2, head newest"
+
+
+class RecordTouches(EvictNewestFirst):
+    """A custom policy with no ``touch_prefix``, recording its touches."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.touched: list[list[Hashable]] = []
+
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        self.touched.append(list(keys))
+
+
+def test_a_policy_without_touch_prefix_is_touched_when_a_request_finishes() -> None:
+    pool = HostBlockPool(3, cache_policy_module_path=f"{__name__}:RecordTouches")
+    pool.finish_request([b"a", b"b", b"c"], reused={b"a"})
+    assert pool.policy.touched == [[b"a", b"b", b"c"]]  # type: ignore[attr-defined]

@@ -4,7 +4,8 @@ A reference model tracks what each key and block should be; the pool must agree
 with it and keep: no block owned twice, free + storing + cached + owned ==
 capacity, pinned blocks never evicted, evicted keys no longer found, and eviction
 in the policy's documented order (LRU: least recently used evictable key first;
-ARC: the oldest evictable keys of T1 and T2, as the policy's lists stood).
+ARC: the oldest evictable keys of T1 and T2, as the policy's lists stood; frecency: the
+lowest-scored evictable keys, in the order the policy reported before the call).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ class PoolMachine(RuleBasedStateMachine):
         pinned = self._pinned_keys()
         assert not set(victims) & pinned, "a pinned key was evicted"
         assert not set(victims) & protected, "a key of the request itself was evicted"
-        if self.policy_name == "lru":
+        if self.policy_name in ("lru", "frecency"):
             order = [key for key in before if key not in protected]  # type: ignore[attr-defined]
-            assert victims == order[: len(victims)], f"LRU order broken: {victims} vs {order}"
+            assert victims == order[: len(victims)], f"{self.policy_name} order broken"
         else:
             t1, t2 = before  # type: ignore[misc]
             t1 = [key for key in t1 if key not in protected]
@@ -73,6 +74,10 @@ class PoolMachine(RuleBasedStateMachine):
     def _snapshot(self) -> object:
         if self.policy_name == "lru":
             return self._evictable_in_model_order()
+        if self.policy_name == "frecency":  # its own order (its model test checks it)
+            pinned = self._pinned_keys()
+            order = self.pool.policy.keys_in_eviction_order()  # type: ignore[attr-defined]
+            return [key for key in order if key in self.cached and key not in pinned]
         return self._arc_expected()
 
     # -- rules -------------------------------------------------------------------
@@ -141,7 +146,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         evicted = [key for key in self.cached if self.pool.block_of(key) is None]
         # the pool evicts in policy order; reuse the victim checks
-        if self.policy_name == "lru":
+        if self.policy_name in ("lru", "frecency"):
             evicted.sort(key=before.index)  # type: ignore[attr-defined]
         else:
             t1, t2 = before  # type: ignore[misc]
@@ -179,11 +184,17 @@ class ARCPoolMachine(PoolMachine):
     policy_name = "arc"
 
 
+class FrecencyPoolMachine(PoolMachine):
+    policy_name = "frecency"
+
+
 SETTINGS = settings(max_examples=60, stateful_step_count=80, deadline=None)
 TestLRUPool = LRUPoolMachine.TestCase
 TestLRUPool.settings = SETTINGS
 TestARCPool = ARCPoolMachine.TestCase
 TestARCPool.settings = SETTINGS
+TestFrecencyPool = FrecencyPoolMachine.TestCase
+TestFrecencyPool.settings = SETTINGS
 
 
 def test_lru_policy_class_matches_model_order() -> None:

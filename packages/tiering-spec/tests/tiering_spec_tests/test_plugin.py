@@ -300,3 +300,40 @@ def test_a_finished_requests_loads_keep_its_prefix_over_older_stores(
         f"{policy}: evicted {[k[:1] for k in out.evicted_keys]}, expected the oldest unused"
     )
     mgr.shutdown()
+
+
+@pytest.mark.parametrize(
+    "finish_first", [False, True], ids=["stored-then-finished", "finished-first"]
+)
+@pytest.mark.parametrize("policy", ["lru", "arc", "frecency"])
+def test_a_finished_requests_stored_prefix_is_evicted_from_its_tail(
+    model: Path, policy: str, finish_first: bool
+) -> None:
+    # One request stores keys 1-4 of its prompt; another then stores key 5 into the full
+    # 4-block tier. The victim must be the tail (key 4), leaving a 3-block prefix usable,
+    # as in vLLM 0.32's manager, whether the store completes before or after the finish.
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.tiering_spec import CPUOffloadingSpec
+
+    spec = make_spec(
+        CPUOffloadingSpec, model, {"cpu_bytes_to_use": 4 * 65536, "eviction_policy": policy}
+    )
+    mgr = spec.get_manager()
+    k1, k2, k3, k4, k5 = (bytes([i]) * 36 for i in range(1, 6))
+    writer = ReqContext(req_id="writer")
+    out = mgr.prepare_store([k1, k2, k3, k4], writer)
+    assert out is not None and out.keys_to_store == [k1, k2, k3, k4]
+    if not hasattr(writer, "get_state"):  # vLLM before 0.32 touches after each store
+        mgr.touch([k1, k2, k3, k4], writer)
+    if finish_first:
+        mgr.on_request_finished(writer)
+        mgr.complete_store(out.keys_to_store, writer)
+    else:
+        mgr.complete_store(out.keys_to_store, writer)
+        mgr.on_request_finished(writer)
+    out = mgr.prepare_store([k5], ReqContext(req_id="other"))
+    assert out is not None and list(out.evicted_keys) == [k4], (
+        f"{policy}: evicted {[k[:1] for k in out.evicted_keys]}, expected the tail (4)"
+    )
+    mgr.shutdown()

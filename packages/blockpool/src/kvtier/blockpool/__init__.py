@@ -16,7 +16,13 @@ from kvtier.blockpool.budget import (
     resolve_bytes_per_rank,
     round_up,
 )
-from kvtier.blockpool.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from kvtier.blockpool.policies import (
+    ARCPolicy,
+    EvictionPolicy,
+    FrecencyPolicy,
+    LRUPolicy,
+    make_policy,
+)
 from kvtier.blockpool.pool import (
     ALLOCATION_BUCKETS,
     CacheEvent,
@@ -41,6 +47,7 @@ __all__ = [
     "ARCPolicy",
     "CacheEvent",
     "EvictionPolicy",
+    "FrecencyPolicy",
     "HostBlockPool",
     "HostBudget",
     "HostRegion",

@@ -3,13 +3,14 @@
     python -m kvtier.blockpool.bench [--keys 100000] [--repeats 3] [--json PATH]
 
 Runs one trace of ``--keys`` distinct block keys through each pool, for each
-eviction policy (lru, arc) and batch size (1, 16 keys per call):
+eviction policy (lru, arc, frecency) and batch size (1, 16 keys per call):
 prepare_store and complete_store of every key into a pool that holds them all,
 then lookup, prepare_load, complete_load and touch of every key, then
 prepare_store with eviction into a pool a quarter that size. Each operation is
 timed on its own, best of ``--repeats``; the table gives calls per second and
 the ratio kvtier / vLLM. vLLM's ``CPUOffloadingManager`` is measured when vLLM is
-importable (it looks keys up one at a time, so a batch lookup is a loop there).
+importable (it looks keys up one at a time, so a batch lookup is a loop there;
+it has no frecency policy, so frecency's rows compare with its ARC).
 The bar is every operation at least ``RATIO_BAR`` times vLLM's calls per second;
 the last lines name the lowest ratio and any operation below the bar.
 
@@ -19,7 +20,7 @@ measures what those calls cost per scheduler step instead: a decode batch of
 running requests replays vLLM 0.23's offloading connector, which stores each new
 block and then touches every key of the request (vLLM 0.32 and later touch a
 request's keys once, when it finishes). The table gives microseconds per step in
-stores and in touches, for kvtier's ARC pool and vLLM's ARC manager.
+stores and in touches, for kvtier's ARC and frecency pools and vLLM's ARC manager.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ OPS = (
     "touch",
     "prepare_store_evict",
 )
-POLICIES = ("lru", "arc")
+POLICIES = ("lru", "arc", "frecency")
+# vLLM's manager has no frecency policy: those rows compare with vLLM's ARC.
+VLLM_POLICY = {"frecency": "arc"}
 BATCHES = (1, 16)
 RATIO_BAR = 1.5
 """kvtier's calls per second over vLLM's that every operation should reach."""
@@ -119,7 +122,9 @@ class VllmDriver:
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
         # Typed as Any: vLLM's OffloadKey is a NewType of bytes, and vLLM may be absent.
-        self.mgr: Any = CPUOffloadingManager(num_chunks=n_blocks, cache_policy=policy)
+        self.mgr: Any = CPUOffloadingManager(
+            num_chunks=n_blocks, cache_policy=VLLM_POLICY.get(policy, policy)
+        )
         self.work = [(b, ReqContext(req_id=f"r{i}")) for i, b in enumerate(batches)]
         self.hit = LookupResult.HIT
 
@@ -244,6 +249,8 @@ def measure(n_keys: int, repeats: int, with_vllm: bool, progress: bool) -> dict[
 # Decode batches for --steps: (running requests, context tokens, tokens per block).
 STEP_SHAPES = ((64, 16_384, 128), (256, 16_384, 16), (256, 32_768, 16))
 STEP_ROUNDS = 2
+# kvtier's pools measured per step: ARC (as "kvtier", beside vLLM's ARC) and frecency.
+STEP_POLICIES = {"kvtier": "arc", "frecency": "frecency"}
 
 
 def _without_context(method: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
@@ -300,16 +307,16 @@ def measure_steps(shape: tuple[int, int, int], with_vllm: bool, repeats: int) ->
 
     best: dict[str, float] = {}
     for _ in range(repeats):
-        pool = HostBlockPool(capacity, eviction_policy="arc")
         none = [None] * requests
-        timings = {
-            "kvtier": run(
+        timings = {}
+        for name, policy in STEP_POLICIES.items():
+            pool = HostBlockPool(capacity, eviction_policy=policy)
+            timings[name] = run(
                 _without_context(pool.prepare_store),
                 _without_context(pool.complete_store),
                 _without_context(pool.touch),
                 none,
             )
-        }
         if with_vllm:
             from vllm.v1.kv_offload.base import ReqContext
             from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -333,6 +340,9 @@ def format_steps(rows: list[tuple[tuple[int, int, int], dict[str, float]]]) -> s
         f"{'requests':>9}{'context':>9}{'block':>7}{'keys touched':>14}"
         f"{'kvtier store':>14}{'kvtier touch':>14}"
     )
+    has_frecency = any("frecency_touch_us" in r for _, r in rows)
+    if has_frecency:
+        header += f"{'frecency store':>16}{'frecency touch':>16}{'ARC/frecency':>14}"
     has_vllm = any("vllm_touch_us" in r for _, r in rows)
     if has_vllm:
         header += f"{'vLLM touch':>12}{'touch ratio':>13}"
@@ -342,6 +352,13 @@ def format_steps(rows: list[tuple[tuple[int, int, int], dict[str, float]]]) -> s
             f"{requests:>9}{context:>9}{block:>7}{r['keys_touched_per_step']:>14,.0f}"
             f"{r['kvtier_store_us']:>14,.0f}{r['kvtier_touch_us']:>14,.0f}"
         )
+        if has_frecency:
+            ours = r["frecency_store_us"] + r["frecency_touch_us"]
+            arc = r["kvtier_store_us"] + r["kvtier_touch_us"]
+            line += (
+                f"{r['frecency_store_us']:>16,.0f}{r['frecency_touch_us']:>16,.0f}"
+                f"{arc / ours:>13.2f}x"
+            )
         if has_vllm:
             ratio = r["vllm_touch_us"] / r["kvtier_touch_us"]
             line += f"{r['vllm_touch_us']:>12,.0f}{ratio:>12.2f}x"

@@ -6,6 +6,10 @@ leave it other than by eviction (``remove``), and asks it for victims with
 ``evict``, passing a predicate that says whether a key may go now (pinned and
 unfinished blocks may not). A policy must not evict a key the predicate refuses.
 
+When a request finishes, the pool passes all of its keys, head first, to the
+policy's optional ``touch_prefix`` (a policy without one gets ``touch``): the keys
+it stored as well as those it reused, so that its prefix's tail goes first.
+
 Policies are chosen by name (``lru``, ``arc``) or loaded from a module path
 ``"package.module:ClassName"`` (or ``"package.module.ClassName"``).
 """
@@ -14,8 +18,9 @@ from __future__ import annotations
 
 import importlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Collection, Hashable, Sequence
+from heapq import heapify, heappop, heappush
+from typing import Any, Protocol, runtime_checkable
 
 Key = Hashable
 
@@ -37,6 +42,14 @@ class EvictionPolicy(Protocol):
 
     def remove(self, key: Key) -> None:
         """``key`` left the cache other than by ``evict`` (a failed store, a clear)."""
+
+    # Optional (the pool calls ``touch(keys)`` on policies without it):
+    #
+    # def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
+    #     """A request finished with ``keys``, its keys in prefix order (head first):
+    #     the head ends up the most recently used, the tail the least. Only the keys
+    #     in ``reused`` were used again; the others the request stored, which is not
+    #     a second use. Unknown keys are ignored."""
 
     def evict(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
         """Choose and forget ``n`` keys for which ``evictable`` is true.
@@ -65,6 +78,9 @@ class LRUPolicy:
         for key in reversed(keys):
             if key in order:
                 move(key)
+
+    def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
+        self.touch(keys)  # a store is as recent as a use
 
     def remove(self, key: Key) -> None:
         del self._order[key]
@@ -146,6 +162,21 @@ class ARCPolicy:
                 del t1[key]
                 t2[key] = None
 
+    def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
+        """A request finished with ``keys`` (head first): the keys in ``reused`` are
+        touched; the others (stored by the request) move to the new end of the list
+        they are in, as a store is not a second use. The head ends up the newest."""
+        t1, t2 = self.t1, self.t2
+        for key in reversed(keys):
+            if key in t2:
+                t2.move_to_end(key)
+            elif key in t1:
+                if key in reused:
+                    del t1[key]
+                    t2[key] = None
+                else:
+                    t1.move_to_end(key)
+
     def remove(self, key: Key) -> None:
         """``key`` left the cache other than by ``evict``; it leaves no ghost."""
         if self.t1.pop(key, _NO_KEY) is _NO_KEY:
@@ -202,7 +233,233 @@ class ARCPolicy:
         return [*self.t1, *self.t2]
 
 
-POLICIES: dict[str, type] = {"lru": LRUPolicy, "arc": ARCPolicy}
+# A frecency entry: [uses, clock at the last use, blocks stored before the last use
+# (-1: never used), stored again since (its next use is no hit), order of the last use]
+USES, CLOCK, STORED_AT, RESTORED, ORDER = range(5)
+
+
+class FrecencyPolicy:
+    """Frequency with aging at the pace of reuse: keeps what many requests share and
+    what comes back, and forgets both once they stop being used.
+
+    A key's *score* is its *uses* (requests that used it, counted also while it was
+    out of the cache) plus the value of a virtual *clock* at its last use; the lowest
+    score goes first, ties in the order of last use. The clock advances by ``1 / tau``
+    for each block stored, so one more use keeps a block as long as ``tau`` more
+    stored blocks would. Two rules tune it, every ``capacity`` stored blocks or
+    reuses seen as requests finish (``touch_prefix``):
+
+    * ``tau`` is the median reuse distance (blocks stored between two uses of a key)
+      seen lately, and at least the capacity (where the policy is LRU with frequency
+      deciding between blocks of about the same age);
+    * when fewer reuses hit than LRU would have served (reuses within ``capacity``
+      stored blocks of the last use), every use count is halved: old frequency was
+      keeping blocks that recency would have replaced.
+
+    A request's keys are used tail first, so its head is never scored below its tail
+    (it is used whenever the tail is) and eviction takes a prefix from its tail.
+    Keys that left the cache keep their uses as *ghosts*, at most
+    ``max(GHOST_KEYS, 4 * capacity)``, the first evicted forgotten first: a
+    conversation that comes back after its blocks were evicted is known again.
+
+    A use writes its key's entry and nothing else: the heap holds each cached key
+    once, with the score it had when queued (a lower bound, as scores only grow
+    between halvings). Eviction pops the lowest; a key used since it was queued is
+    queued again with its score, any other goes.
+    """
+
+    __slots__ = (
+        "_cached",
+        "_distances",
+        "_ghosts",
+        "_heap",
+        "_lead",
+        "_next_tune",
+        "_order",
+        "_reuses",
+        "_seen",
+        "capacity",
+        "clock",
+        "max_ghosts",
+        "stored",
+        "tau",
+    )
+    name = "frecency"
+    GHOST_KEYS = 64_000
+    """Ghosts remembered at least (as many keys as vLLM's admission tracker counts)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.max_ghosts = max(self.GHOST_KEYS, 4 * self.capacity)
+        self.tau = float(self.capacity)
+        self.clock = 0.0  # the virtual clock: + 1 / tau per stored block
+        self.stored = 0  # blocks stored so far: reuse distances are counted in them
+        self._order = 0  # uses so far, to order equal scores
+        self._next_tune = self.capacity
+        self._seen: dict[Key, list[Any]] = {}  # cached keys and ghosts -> entry
+        self._ghosts: OrderedDict[Key, None] = OrderedDict()  # first evicted first
+        # Cached key -> its item in the heap: (score when queued, order, key).
+        self._cached: dict[Key, tuple[float, int, Key]] = {}
+        self._heap: list[tuple[float, int, Key]] = []
+        self._distances = [0] * 64  # reuse distances by bit length, halved as tuned
+        # Since the last tuning: reuses seen as requests finished, and how many more of
+        # them hit than LRU would have hit.
+        self._reuses = self._lead = 0
+
+    def insert(self, keys: Sequence[Key]) -> None:
+        """``keys`` entered the cache; a ghost gets its uses back."""
+        seen, ghosts, cached, heap = self._seen, self._ghosts, self._cached, self._heap
+        clock, order = self.clock, self._order
+        for key in reversed(keys):  # the tail first: it goes first among equals
+            entry = seen.get(key)
+            order += 1
+            if entry is None:
+                entry = seen[key] = [0, clock, -1, False, order]
+            elif ghosts.pop(key, _NO_KEY) is not _NO_KEY and entry[STORED_AT] >= 0:
+                entry[RESTORED] = True  # stored again: its next use was a miss
+            item = (entry[USES] + entry[CLOCK], entry[ORDER], key)
+            cached[key] = item
+            heappush(heap, item)
+        self._order = order
+        self.stored += len(keys)
+        self.clock += len(keys) / self.tau
+        if self.stored >= self._next_tune:
+            self._tune()
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """``keys`` were used, head first: each counts one use. vLLM before 0.32 calls
+        this for a request's keys at every store, so it is kept lean: it feeds neither
+        the reuse distances nor the comparison with LRU. Unknown keys are ignored."""
+        seen, clock, order = self._seen, self.clock, self._order
+        for key in reversed(keys):
+            entry = seen.get(key)
+            if entry is not None:
+                order += 1
+                entry[USES] += 1
+                entry[CLOCK] = clock
+                entry[ORDER] = order
+        self._order = order
+
+    def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
+        """A request finished with ``keys`` (head first): each counts one use, whether
+        the request stored it or reused it; a reuse records its distance and whether
+        it hit where LRU would have. Unknown keys are ignored."""
+        seen, distances = self._seen, self._distances
+        clock, now, capacity, order = self.clock, self.stored, self.capacity, self._order
+        reuses = lead = 0  # lead: reuses that hit, less those LRU would have hit
+        for key in reversed(keys):
+            entry = seen.get(key)
+            if entry is None:
+                continue
+            if entry[STORED_AT] >= 0:  # used before: a reuse
+                distance = now - entry[STORED_AT]
+                distances[distance.bit_length()] += 1
+                reuses += 1
+                lead += (not entry[RESTORED]) - (distance <= capacity)
+                entry[RESTORED] = False
+            order += 1
+            entry[USES] += 1
+            entry[CLOCK] = clock
+            entry[STORED_AT] = now
+            entry[ORDER] = order
+        self._order = order
+        self._lead += lead
+        self._reuses += reuses
+        if self._reuses >= capacity:
+            self._tune()
+
+    def remove(self, key: Key) -> None:
+        """``key`` left the cache other than by ``evict``; it leaves no ghost."""
+        del self._cached[key]
+        del self._seen[key]
+
+    def evict(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
+        """Take the ``n`` evictable keys of lowest score; they become ghosts.
+
+        Returns them lowest first, or ``None`` (changing nothing but the heap's
+        queued scores) when fewer than ``n`` keys are evictable.
+        """
+        if n <= 0:
+            return []
+        heap, cached, seen = self._heap, self._cached, self._seen
+        victims: list[tuple[float, int, Key]] = []
+        refused: list[tuple[float, int, Key]] = []
+        while len(victims) < n and heap:
+            item = heappop(heap)
+            key = item[2]
+            if cached.get(key) is not item:
+                continue  # the key left the cache
+            entry = seen[key]
+            if entry[ORDER] != item[1]:  # used since it was queued: queue it anew
+                item = cached[key] = (entry[USES] + entry[CLOCK], entry[ORDER], key)
+                heappush(heap, item)
+            elif evictable(key):
+                victims.append(item)
+            else:
+                refused.append(item)
+        for item in refused:
+            heappush(heap, item)
+        if len(victims) < n:
+            for item in victims:
+                heappush(heap, item)
+            return None
+        ghosts = self._ghosts
+        for item in victims:
+            del cached[item[2]]
+            ghosts[item[2]] = None
+        while len(ghosts) > self.max_ghosts:
+            del seen[ghosts.popitem(last=False)[0]]
+        return [item[2] for item in victims]
+
+    def _tune(self) -> None:
+        """Halve the uses if LRU would have hit more reuses since the last tuning; set
+        ``tau`` to the median reuse distance (at least the capacity), then halve the
+        distance counts, so that older distances weigh less."""
+        self._next_tune = self.stored + self.capacity
+        if self._lead < 0:
+            self._halve_uses()
+        self._reuses = self._lead = 0
+        distances = self._distances
+        half = sum(distances) / 2
+        median = below = 0.0
+        for bits, count in enumerate(distances):
+            if count and below + count >= half:
+                low = 1 << bits >> 1  # distances of this bit length: [low, 2 * low)
+                median = low + max(1, low) * (half - below) / count
+                break
+            below += count
+        self.tau = max(float(self.capacity), median)
+        self._distances = [count // 2 for count in distances]
+
+    def _halve_uses(self) -> None:
+        """Halve every key's uses and queue the cached keys anew with their scores."""
+        seen = self._seen
+        for entry in seen.values():
+            entry[USES] /= 2
+        cached = self._cached
+        for key in cached:
+            entry = seen[key]
+            cached[key] = (entry[USES] + entry[CLOCK], entry[ORDER], key)
+        self._heap = list(cached.values())
+        heapify(self._heap)
+
+    def score(self, key: Key) -> float:
+        """``key``'s score now (cached keys and ghosts)."""
+        entry = self._seen[key]
+        return float(entry[USES] + entry[CLOCK])
+
+    def keys_in_eviction_order(self) -> list[Key]:
+        """Cached keys, lowest score first, ties in the order of their last use."""
+        seen = self._seen
+        return [
+            key
+            for _, _, key in sorted(
+                (seen[k][USES] + seen[k][CLOCK], seen[k][ORDER], k) for k in self._cached
+            )
+        ]
+
+
+POLICIES: dict[str, type] = {"lru": LRUPolicy, "arc": ARCPolicy, "frecency": FrecencyPolicy}
 
 
 def _load_class(path: str) -> type:

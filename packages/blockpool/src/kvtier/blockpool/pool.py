@@ -19,7 +19,7 @@ Keys are any hashable values (vLLM's block hashes are ``bytes``). Units: blocks.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -87,7 +87,7 @@ class HostBlockPool:
 
     Args:
         num_blocks: capacity in blocks (see ``resolve_budget``).
-        eviction_policy: ``"lru"`` or ``"arc"``.
+        eviction_policy: ``"frecency"`` (the default), ``"lru"`` or ``"arc"``.
         cache_policy_module_path: ``"pkg.module:Class"`` of a custom policy (overrides the name).
         enable_events: record ``CacheEvent``s for ``take_events``.
 
@@ -98,7 +98,7 @@ class HostBlockPool:
         self,
         num_blocks: int,
         *,
-        eviction_policy: str = "lru",
+        eviction_policy: str = "frecency",
         cache_policy_module_path: str | None = None,
         enable_events: bool = False,
     ) -> None:
@@ -306,6 +306,18 @@ class HostBlockPool:
         """Mark ``keys`` used. The first key ends up the most recently used: a
         prefix's first blocks are shared by the most requests."""
         self.policy.touch(keys)
+
+    def finish_request(self, keys: Sequence[Hashable], reused: Collection[Hashable]) -> None:
+        """A request is done with ``keys``: every key it stored or reused, in prefix
+        order (head first). Its head ends up the most recently used and its tail the
+        least, stored keys included, so eviction takes a prefix from its tail. Only
+        the keys in ``reused`` (found cached) count as a use; the policy's
+        ``touch_prefix`` tells them apart, a policy without one gets ``touch``."""
+        touch_prefix = getattr(self.policy, "touch_prefix", None)
+        if touch_prefix is None:
+            self.policy.touch(keys)
+        else:
+            touch_prefix(keys, reused)
 
     def evict_all(self) -> list[Hashable]:
         """Evict every unpinned cached key (for a reset); returns them."""

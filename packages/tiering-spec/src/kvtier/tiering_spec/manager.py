@@ -25,7 +25,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.blockpool import (
@@ -200,6 +200,16 @@ class TierManager:
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self.pool.touch(keys)
+        if self.fs_tiers:
+            digests = [key_digest(k) for k in keys]
+            for tier in self.fs_tiers:
+                tier.touch(digests)
+
+    def finish_request(self, keys: Sequence[bytes], reused: Collection[bytes]) -> None:
+        """A request is done with ``keys`` (all it stored or reused, head first): the
+        host tier orders them so its tail goes first (only ``reused`` count as a use),
+        and each fs tier touches them likewise."""
+        self.pool.finish_request(keys, reused)
         if self.fs_tiers:
             digests = [key_digest(k) for k in keys]
             for tier in self.fs_tiers:

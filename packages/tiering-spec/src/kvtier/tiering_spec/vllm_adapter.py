@@ -604,15 +604,29 @@ def mooncake_connector(cfg: MooncakeTierConfig, where: str) -> Callable[[], Stor
 
 
 class _RequestReuse:
-    """The cached keys one request used (loaded, or offered for storing again), in the
-    order first seen: vLLM 0.32 and later never call ``touch`` and leave recency to the
-    manager when the request finishes; older releases touch keys themselves."""
+    """The keys one request stored or reused (loaded, or offered for storing again
+    while cached), in the order first seen, and which of them it reused: vLLM 0.32 and
+    later never call ``touch`` and leave recency to the manager when the request
+    finishes; older releases touch keys themselves, after each store."""
 
-    __slots__ = ("finished", "keys")
+    __slots__ = ("finished", "keys", "reused", "stored")
 
     def __init__(self) -> None:
         self.keys: dict[OffloadKey, None] = {}
+        self.reused: set[OffloadKey] = set()
+        self.stored: set[OffloadKey] = set()
         self.finished = False
+
+    def note(self, keys: Iterable[OffloadKey], *, reused: bool) -> None:
+        """Record ``keys`` as reused by the request, or as stored by it. Reading back
+        a key the request stored (a cascade between tiers) is not a reuse."""
+        seen, stored = self.keys, self.stored
+        for key in keys:
+            seen.setdefault(key, None)
+            if not reused:
+                stored.add(key)
+            elif key not in stored:
+                self.reused.add(key)
 
 
 class _RequestTiers:
@@ -717,24 +731,27 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         blocks = self.core.prepare_load(list(keys))
-        self._note_reuse(req_context, keys)
+        state = self._request_reuse(req_context)
+        if state is not None:
+            state.note(keys, reused=True)
         return CPULoadStoreSpec(blocks)
 
-    def _note_reuse(self, req_context: ReqContext, keys: Iterable[OffloadKey]) -> None:
-        """Remember ``keys`` as used by the request, for :meth:`on_request_finished`."""
+    @staticmethod
+    def _request_reuse(req_context: ReqContext) -> _RequestReuse | None:
+        """The request's record for :meth:`on_request_finished`; None before vLLM 0.32
+        (no request state: the connector calls touch itself) or once it finished."""
         get_state = getattr(req_context, "get_state", None)
-        if get_state is None:  # vLLM before 0.32: the connector calls touch itself
-            return
+        if get_state is None:
+            return None
         state = get_state(_RequestReuse)
         if state is None:
             state = _RequestReuse()
             req_context.set_state(state)
-        if not state.finished:
-            for key in keys:
-                state.keys.setdefault(key, None)
+        return None if state.finished else state
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """Make the keys the request used the most recent, its prefix's head first."""
+        """Order every key the request stored or reused so that its prefix's tail goes
+        first and its head last (as vLLM 0.32 does); only reused keys count as a use."""
         get_state = getattr(req_context, "get_state", None)
         state = get_state(_RequestReuse) if get_state is not None else None
         if state is None or state.finished:
@@ -747,7 +764,7 @@ class KvtierOffloadingManager(OffloadingManager):
             if None not in ends:  # the scheduler knows each key's place in the prompt
                 keys = [k for _, k in sorted(zip(ends, keys), key=lambda e: e[0])]
         if keys:
-            self.core.touch(keys)
+            self.core.finish_request(keys, state.reused)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.core.touch(list(keys))
@@ -759,13 +776,16 @@ class KvtierOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         keys = list(keys)
-        pool = self.core.pool
-        # A generator: where vLLM keeps no request state (before 0.32) nothing is probed.
-        self._note_reuse(req_context, (k for k in keys if pool.contains(k)))
+        state = self._request_reuse(req_context)
+        if state is not None:
+            pool = self.core.pool  # cached keys offered again are a use
+            state.note((k for k in keys if pool.contains(k)), reused=True)
         plan = self.core.prepare_store(keys)
         if plan is None:
             return None
         to_store, blocks, evicted = plan
+        if state is not None:
+            state.note(to_store, reused=False)
         return PrepareStoreOutput(
             keys_to_store=cast(Any, to_store),
             store_spec=CPULoadStoreSpec(blocks),

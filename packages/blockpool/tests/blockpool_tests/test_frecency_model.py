@@ -1,0 +1,205 @@
+"""The frecency policy against a model of it, step by step.
+
+The model keeps each key's uses, clock, last use and order in plain dicts, scores every
+cached key afresh when asked for victims (no heap, no lazy queueing), and tunes ``tau``
+and halves uses exactly as ``FrecencyPolicy`` documents. After every step the policy and
+the model must agree on the eviction order, the clock, ``tau``, the uses and the ghosts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvtier.blockpool import FrecencyPolicy
+
+KEY = st.integers(0, 19)
+
+
+class SmallFrecency(FrecencyPolicy):
+    """Few ghosts, so that the model checks their forgetting too."""
+
+    __slots__ = ()
+    GHOST_KEYS = 5
+
+
+class ModelFrecency:
+    def __init__(self, capacity: int, max_ghosts: int) -> None:
+        self.c = capacity
+        self.max_ghosts = max_ghosts
+        self.tau = float(capacity)
+        self.clock = 0.0
+        self.stored = 0
+        self.next_tune = capacity
+        self.order = 0
+        self.uses: dict[Hashable, float] = {}
+        self.clock_at: dict[Hashable, float] = {}
+        self.stored_at: dict[Hashable, int] = {}  # absent: never used
+        self.restored: set[Hashable] = set()
+        self.last: dict[Hashable, int] = {}  # order of the last use (or insert)
+        self.cached: set[Hashable] = set()
+        self.ghosts: list[Hashable] = []  # first evicted first
+        self.distances: list[int] = [0] * 64
+        self.reuses = self.lead = 0
+
+    def score(self, key: Hashable) -> tuple[float, int]:
+        return (self.uses[key] + self.clock_at[key], self.last[key])
+
+    def insert(self, keys: Sequence[Hashable]) -> None:
+        for key in reversed(keys):
+            self.order += 1
+            if key not in self.uses:
+                self.uses[key], self.clock_at[key], self.last[key] = 0, self.clock, self.order
+            elif key in self.ghosts:
+                self.ghosts.remove(key)
+                if key in self.stored_at:
+                    self.restored.add(key)
+            self.cached.add(key)
+        self.stored += len(keys)
+        self.clock += len(keys) / self.tau
+        if self.stored >= self.next_tune:
+            self.tune()
+
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        for key in reversed(keys):
+            if key in self.uses:
+                self.order += 1
+                self.uses[key] += 1
+                self.clock_at[key] = self.clock
+                self.last[key] = self.order
+
+    def touch_prefix(self, keys: Sequence[Hashable]) -> None:
+        for key in reversed(keys):
+            if key not in self.uses:
+                continue
+            if key in self.stored_at:
+                distance = self.stored - self.stored_at[key]
+                self.distances[distance.bit_length()] += 1
+                self.reuses += 1
+                self.lead += (key not in self.restored) - (distance <= self.c)
+                self.restored.discard(key)
+            self.order += 1
+            self.uses[key] += 1
+            self.clock_at[key] = self.clock
+            self.stored_at[key] = self.stored
+            self.last[key] = self.order
+        if self.reuses >= self.c:
+            self.tune()
+
+    def remove(self, key: Hashable) -> None:
+        self.cached.remove(key)
+        for table in (self.uses, self.clock_at, self.stored_at, self.last):
+            table.pop(key, None)
+        self.restored.discard(key)
+
+    def evict(self, n: int, ok: Callable[[Hashable], bool]) -> list[Hashable] | None:
+        if n <= 0:
+            return []
+        candidates = sorted((k for k in self.cached if ok(k)), key=self.score)
+        if len(candidates) < n:
+            return None
+        victims = candidates[:n]
+        for key in victims:
+            self.cached.remove(key)
+            self.ghosts.append(key)
+        while len(self.ghosts) > self.max_ghosts:
+            self.remove_ghost(self.ghosts.pop(0))
+        return victims
+
+    def remove_ghost(self, key: Hashable) -> None:
+        for table in (self.uses, self.clock_at, self.stored_at, self.last):
+            table.pop(key, None)
+        self.restored.discard(key)
+
+    def tune(self) -> None:
+        self.next_tune = self.stored + self.c
+        if self.lead < 0:
+            for key in self.uses:
+                self.uses[key] /= 2
+        self.reuses = self.lead = 0
+        half = sum(self.distances) / 2
+        median = below = 0.0
+        for bits, count in enumerate(self.distances):
+            if count and below + count >= half:
+                low = 1 << bits >> 1
+                median = low + max(1, low) * (half - below) / count
+                break
+            below += count
+        self.tau = max(float(self.c), median)
+        self.distances = [count // 2 for count in self.distances]
+
+    def eviction_order(self) -> list[Hashable]:
+        return sorted(self.cached, key=self.score)
+
+
+class FrecencyAgainstModel(RuleBasedStateMachine):
+    @initialize(capacity=st.integers(1, 8))
+    def setup(self, capacity: int) -> None:
+        self.policy = SmallFrecency(capacity)
+        self.model = ModelFrecency(capacity, self.policy.max_ghosts)
+        self.refused: set[int] = set()
+
+    @rule(keys=st.lists(KEY, min_size=1, max_size=6, unique=True))
+    def insert(self, keys: list[int]) -> None:
+        new = [k for k in keys if k not in self.model.cached]
+        if new:
+            self.policy.insert(new)
+            self.model.insert(new)
+
+    @rule(keys=st.lists(KEY, min_size=1, max_size=8, unique=True))  # unknown keys too
+    def finish(self, keys: list[int]) -> None:
+        self.policy.touch_prefix(keys, set(keys[:1]))
+        self.model.touch_prefix(keys)
+
+    @rule(keys=st.lists(KEY, min_size=1, max_size=8, unique=True))
+    def touch(self, keys: list[int]) -> None:
+        self.policy.touch(keys)
+        self.model.touch(keys)
+
+    @precondition(lambda self: self.model.cached)
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.model.cached)))
+        self.policy.remove(key)
+        self.model.remove(key)
+
+    @rule(keys=st.sets(KEY, max_size=4))
+    def pin(self, keys: set[int]) -> None:
+        self.refused = keys
+
+    @rule(n=st.integers(0, 6))
+    def evict(self, n: int) -> None:
+        refused = self.refused
+
+        def ok(key: Hashable) -> bool:
+            return key not in refused
+
+        assert self.policy.evict(n, ok) == self.model.evict(n, ok)
+
+    @invariant()
+    def same_state(self) -> None:
+        policy, model = self.policy, self.model
+        assert policy.keys_in_eviction_order() == model.eviction_order()
+        assert policy.clock == model.clock
+        assert policy.tau == model.tau
+        assert list(policy._ghosts) == model.ghosts
+        assert {k: policy.score(k) for k in model.uses} == {
+            k: model.uses[k] + model.clock_at[k] for k in model.uses
+        }
+
+
+def test_frecency_policy_matches_model() -> None:
+    run_state_machine_as_test(
+        FrecencyAgainstModel,
+        settings=settings(max_examples=200, stateful_step_count=60, deadline=None),
+    )
