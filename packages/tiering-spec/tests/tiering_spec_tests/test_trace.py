@@ -193,11 +193,6 @@ def test_vllm_lru_by_hand() -> None:
 
 
 @needs_vllm
-@pytest.mark.xfail(
-    reason="kvtier evicts a freshly stored prefix head first (issue 26, item 0): its "
-    "on_request_finished reorders only reused keys, so r1 drops 1 instead of 2",
-    strict=False,
-)
 def test_kvtier_lru_by_hand() -> None:
     assert _served("lru", HAND, 2).served == 2
 
@@ -224,11 +219,6 @@ def _random_trace(rng: random.Random, n: int) -> list[list[int]]:
 
 
 @needs_vllm
-@pytest.mark.xfail(
-    reason="kvtier's on_request_finished does not order newly stored keys (issue 26, "
-    "item 0); after that fix kvtier's LRU makes vLLM 0.32's LRU decisions",
-    strict=False,
-)
 def test_kvtier_lru_matches_vllm_lru() -> None:
     rng = random.Random(3)
     ids = _random_trace(rng, 300)
