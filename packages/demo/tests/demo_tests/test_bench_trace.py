@@ -143,3 +143,10 @@ def test_rows_skip_the_new_policy_with_a_note_when_there_is_none() -> None:
     assert shared is not None
     tiers = shared["kv_connector_extra_config"]["secondary_tiers"]
     assert tiers == [{"type": "mooncake"}] and len(rows[-1].kv) == 2
+
+
+def test_the_synthetic_smoke_trace_has_reusable_prefixes() -> None:
+    trace = bt.synthetic_trace()
+    assert [r.timestamp_ms for r in trace] == sorted(r.timestamp_ms for r in trace)
+    chosen = Window(sample=1.0, speedup=200).select(trace)
+    assert len(chosen) == 24 and reuse_share(chosen) > 0.3
