@@ -150,3 +150,18 @@ def test_the_synthetic_smoke_trace_has_reusable_prefixes() -> None:
     assert [r.timestamp_ms for r in trace] == sorted(r.timestamp_ms for r in trace)
     chosen = Window(sample=1.0, speedup=200).select(trace)
     assert len(chosen) == 24 and reuse_share(chosen) > 0.3
+
+
+def test_the_packaged_trace_is_found_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.resources
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    monkeypatch.setattr(importlib.resources, "files", lambda _pkg: tmp_path)
+    assert bt.packaged_trace() is None
+    (traces / "NOTICE").write_text("")
+    (traces / "mooncake-conversation.jsonl.gz").write_bytes(b"")
+    found = bt.packaged_trace()
+    assert found is not None and found.name == "mooncake-conversation.jsonl.gz"

@@ -101,17 +101,19 @@ class TraceRequest:
 
 
 def packaged_trace() -> Path | None:
-    """The conversation trace shipped in kvtier-tiering-spec's ``traces/`` folder, or None."""
+    """The conversation trace shipped in kvtier-tiering-spec's ``traces/`` folder (a
+    ``*conversation*.jsonl`` file, compressed or not), or None."""
     try:
         folder = importlib.resources.files("kvtier.tiering_spec") / "traces"
     except (ModuleNotFoundError, TypeError):
         return None
     if not folder.is_dir():
         return None
-    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-        if entry.name.startswith(TRACE_STEM + ".jsonl"):
-            return Path(str(entry))
-    return None
+    names = sorted(
+        (e.name for e in folder.iterdir() if ".jsonl" in e.name and "conversation" in e.name),
+        key=lambda n: (not n.startswith(TRACE_STEM), n),  # the expected name first
+    )
+    return Path(str(folder / names[0])) if names else None
 
 
 def resolve_trace(path: str | None) -> Path:
