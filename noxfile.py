@@ -336,6 +336,8 @@ def plugins(session: nox.Session, vllm: str) -> None:
 
 
 MOONCAKE = "mooncake-transfer-engine-non-cuda"
+# bench-trace's serving path in seconds (in CI, from the pd session, which has Mooncake).
+BENCH_TRACE_SMOKE = ("--smoke", "--only", "alone,shared", "--require-mooncake")
 _HAS_IBVERBS = "import ctypes.util, sys; sys.exit(0 if ctypes.util.find_library('ibverbs') else 1)"
 
 
@@ -343,12 +345,13 @@ _HAS_IBVERBS = "import ctypes.util, sys; sys.exit(0 if ctypes.util.find_library(
 def pd(session: nox.Session) -> None:
     """The guide's P/D decode node with vLLM's real MooncakeConnector over TCP (a prefill
     and a decode server on loopback); the tiering spec's store tier against a real
-    Mooncake Store master, end to end, and its benchmark against Mooncake's client.
+    Mooncake Store master, end to end, and its benchmark against Mooncake's client;
+    bench-trace's smoke test (two engines sharing a store through `vllm serve`).
     Installs Mooncake's transfer engine and, as root on Debian, the libibverbs1 it
     links."""
     install_packages(
         session,
-        ["kvtier-recompute-connector", "kvtier-tiering-spec", "kvtier-testkit"],
+        ["kvtier-recompute-connector", "kvtier-tiering-spec", "kvtier-testkit", "kvtier-demo"],
         *TEST_DEPS,
         MOONCAKE,
         with_vllm=True,
@@ -367,6 +370,12 @@ def pd(session: nox.Session) -> None:
     session.run(
         "python", "-m", "kvtier.tiering_spec.bench",
         "--skip-fs", "--skip-workload", "--skip-startup", "--repeat", "4",
+    )  # fmt: skip
+    # A tiny model and window: vLLM alone against two engines sharing a Mooncake Store
+    # tier, outputs identical.
+    session.run(
+        "python", "-m", "kvtier.demo.bench_trace", *BENCH_TRACE_SMOKE,
+        "--json", str(Path(session.create_tmp()) / "bench-trace-smoke.json"),
     )  # fmt: skip
 
 
@@ -503,6 +512,22 @@ def bench_e2e(session: nox.Session) -> None:
     session.run(
         "python", "-m", "kvtier.demo.bench_e2e", "--json", str(out / "bench-e2e.json"),
         *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session(name="bench-trace")
+def bench_trace(session: nox.Session) -> None:
+    """A window of Mooncake's conversation trace through `vllm serve` on the 16-layer
+    model: vLLM alone, kvtier's host tier per eviction policy, host + fs, and two engines
+    with private host tiers against the same sharing a Mooncake Store tier (about 10
+    minutes; `-- --smoke` for seconds)."""
+    install_packages(session, ["kvtier-demo"], MOONCAKE, with_vllm=True)
+    _need_ibverbs(session)
+    out = ROOT / "out"
+    out.mkdir(exist_ok=True)
+    session.run(
+        "python", "-m", "kvtier.demo.bench_trace", "--require-mooncake",
+        "--json", str(out / "bench-trace.json"), *session.posargs,
     )  # fmt: skip
 
 
