@@ -290,6 +290,15 @@ def parse_config(
             "model_identity must be a non-empty string that changes whenever the model's "
             f"weights change (for example 'llama3-8b@2026-11-02'), got {model_identity!r}"
         )
+    if tiers and module_path is None and policy == "frecency":
+        # A block promoted from a secondary tier enters frecency unused, below every
+        # block used lately: promotions then evict each other before vLLM loads them
+        # (seen as a stalled engine with a mooncake tier).
+        raise ConfigError(
+            "eviction_policy=frecency is not supported with secondary_tiers yet (blocks "
+            "promoted from a secondary tier evict each other before they are loaded); "
+            "allowed with secondary_tiers: lru, arc"
+        )
     roots = [os.path.realpath(t.root_dir) for t in tiers if isinstance(t, FsTierConfig)]
     if len(set(roots)) != len(roots):
         raise ConfigError(f"secondary_tiers: two fs tiers share one root_dir ({roots})")
