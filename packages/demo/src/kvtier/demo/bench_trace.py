@@ -478,6 +478,24 @@ def spec_accepts(policy: str) -> bool:
     return policy in EVICTION_POLICIES
 
 
+def spec_accepts_with_tiers(policy: str) -> bool:
+    """Whether the tiering spec accepts ``policy`` in front of a secondary tier."""
+    try:
+        from kvtier.tiering_spec.config import ConfigError, parse_config
+    except ImportError:
+        return True
+    extra = {
+        "cpu_bytes_to_use": 1 << 20,
+        "eviction_policy": policy,
+        "secondary_tiers": [{"type": "fs", "root_dir": "unused"}],
+    }
+    try:
+        parse_config(extra, tiering=True, check_paths=False)
+    except ConfigError:
+        return False
+    return True
+
+
 def plan_rows(
     setup: Setup,
     policies: list[str],
@@ -500,7 +518,13 @@ def plan_rows(
             "host <new policy>: skipped, kvtier.blockpool.policies.POLICIES has no policy "
             "beyond lru and arc (name one with --policies)"
         )
-    best = usable[0] if usable else "lru"
+    # The rows with secondary tiers take the first new policy the spec accepts there.
+    best = next((p for p in usable if spec_accepts_with_tiers(p)), "lru")
+    if usable and best != usable[0]:
+        notes.append(
+            f"rows with secondary tiers use {best}: the tiering spec refuses "
+            f"{usable[0]} in front of a secondary tier"
+        )
     fs_tier = [{"type": "fs", "root_dir": fs_root, "capacity_bytes": setup.fs_mib << 20}]
     rows = [
         Row("vLLM alone", "alone", [None]),
