@@ -481,19 +481,10 @@ def spec_accepts(policy: str) -> bool:
 def spec_accepts_with_tiers(policy: str) -> bool:
     """Whether the tiering spec accepts ``policy`` in front of a secondary tier."""
     try:
-        from kvtier.tiering_spec.config import ConfigError, parse_config
+        from kvtier.tiering_spec.config import refused_with_tiers
     except ImportError:
         return True
-    extra = {
-        "cpu_bytes_to_use": 1 << 20,
-        "eviction_policy": policy,
-        "secondary_tiers": [{"type": "fs", "root_dir": "unused"}],
-    }
-    try:
-        parse_config(extra, tiering=True, check_paths=False)
-    except ConfigError:
-        return False
-    return True
+    return not refused_with_tiers(policy)
 
 
 def plan_rows(

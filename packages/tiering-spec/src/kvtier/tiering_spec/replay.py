@@ -339,23 +339,6 @@ def _advance(bar: Progress, label: str, n: int) -> None:
     bar.advance(n, label)
 
 
-def _with_tiers_ok(policy: str) -> bool:
-    """Whether the tiering spec takes ``policy`` with a secondary tier (else a note)."""
-    from kvtier.tiering_spec.config import ConfigError, parse_config
-
-    extra = {
-        "cpu_bytes_to_use": 1 << 20,
-        "secondary_tiers": [{"type": "fs", "root_dir": "unused"}],
-        **_policy_settings(policy),
-    }
-    try:
-        parse_config(extra, tiering=True, check_paths=False)
-    except ConfigError as exc:
-        print(f"{policy}: left out of the host + fs replay: {exc}", file=sys.stderr)
-        return False
-    return True
-
-
 def run(
     requests: Sequence[TraceRequest],
     capacities: Sequence[int],
@@ -384,7 +367,11 @@ def run(
     rows: dict[str, dict[str, list[Any]]] = {}
     kvtier_names = set(kvtier_policies())
     if fs_capacity:  # policies the spec refuses in front of a secondary tier are left out
-        policies = [p for p in policies if p not in kvtier_names or _with_tiers_ok(p)]
+        from kvtier.tiering_spec.config import refused_with_tiers
+
+        for p in [p for p in policies if p in kvtier_names and refused_with_tiers(p)]:
+            print(f"{p}: left out of the host + fs replay (refused with fs)", file=sys.stderr)
+        policies = [p for p in policies if p not in kvtier_names or not refused_with_tiers(p)]
     for name in policies:
         row: dict[str, list[Any]] = {
             k: []
