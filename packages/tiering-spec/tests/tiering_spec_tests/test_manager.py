@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from kvtier.blockpool import HostBlockPool
 from kvtier.tiering_spec import metrics
 from kvtier.tiering_spec.fsformat import key_digest
-from kvtier.tiering_spec.manager import Lookup, TierManager
+from kvtier.tiering_spec.manager import FRESH_STEPS, Lookup, TierManager
 
 from .tier_support import PAYLOAD, Region
 
@@ -133,6 +135,29 @@ def test_a_promotion_never_evicts_the_keys_its_own_lookup_pass_found(make_tier) 
     assert mgr.lookup(b"a", "r") is Lookup.HIT_PENDING
     assert mgr.pool.contains(b"b") and mgr.pool.contains(b"c")
     assert not mgr.pool.contains(b"x")
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "frecency"])
+def test_a_promoted_key_outranks_keys_nobody_asked_for_since(make_tier, policy: str) -> None:
+    """A promotion is a use: once its pin ends, the next promotion evicts a key that
+    was not used since, not the key promoted a moment ago (with frecency it entered
+    unused, promotions evicted each other and requests waited on them for ever)."""
+    region = Region(3)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(3, eviction_policy=policy), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a", b"b", b"c"])
+    settle(mgr)
+    store(mgr, region, [b"x", b"y", b"z"])  # a, b and c are now in the fs tier only
+    mgr.finish_request([b"x", b"y", b"z"], reused=())
+    settle(mgr)
+    for key in (b"a", b"b"):
+        assert mgr.lookup(key) is Lookup.HIT_PENDING
+        settle(mgr)
+        for _ in range(FRESH_STEPS):  # nobody loads it: its pin ends
+            mgr.end_step()
+    assert mgr.pool.contains(b"a") and mgr.pool.contains(b"b"), policy
+    assert sum(mgr.pool.contains(k) for k in (b"x", b"y", b"z")) == 1
+    mgr.pool.check_invariants()
 
 
 def test_promotion_without_host_room_is_a_miss(make_tier) -> None:

@@ -478,15 +478,6 @@ def spec_accepts(policy: str) -> bool:
     return policy in EVICTION_POLICIES
 
 
-def spec_accepts_with_tiers(policy: str) -> bool:
-    """Whether the tiering spec accepts ``policy`` in front of a secondary tier."""
-    try:
-        from kvtier.tiering_spec.config import refused_with_tiers
-    except ImportError:
-        return True
-    return not refused_with_tiers(policy)
-
-
 def plan_rows(
     setup: Setup,
     policies: list[str],
@@ -509,13 +500,8 @@ def plan_rows(
             "host <new policy>: skipped, kvtier.blockpool.policies.POLICIES has no policy "
             "beyond lru and arc (name one with --policies)"
         )
-    # The rows with secondary tiers take the first new policy the spec accepts there.
-    best = next((p for p in usable if spec_accepts_with_tiers(p)), "lru")
-    if usable and best != usable[0]:
-        notes.append(
-            f"rows with secondary tiers use {best}: the tiering spec refuses "
-            f"{usable[0]} in front of a secondary tier"
-        )
+    # The rows with secondary tiers take the first new policy.
+    best = usable[0] if usable else "lru"
     fs_tier = [{"type": "fs", "root_dir": fs_root, "capacity_bytes": setup.fs_mib << 20}]
     rows = [
         Row("vLLM alone", "alone", [None]),

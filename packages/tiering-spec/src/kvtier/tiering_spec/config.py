@@ -26,16 +26,6 @@ from kvtier.blockpool import (
 logger = logging.getLogger("kvtier.tiering_spec")
 
 EVICTION_POLICIES = ("lru", "arc", "frecency")
-# The policies a host tier that secondary tiers promote into may use: a block promoted
-# into frecency enters unused, below every block used lately, and promotions then evict
-# each other before vLLM loads them (seen as a stalled engine with a mooncake tier).
-TIER_POLICIES = ("lru", "arc")
-
-
-def refused_with_tiers(policy: str) -> bool:
-    """Whether ``eviction_policy=policy`` is refused in front of secondary tiers."""
-    return policy in EVICTION_POLICIES and policy not in TIER_POLICIES
-
 
 TIER_TYPES = ("fs", "mooncake")
 DEFAULT_IO_THREADS = 16  # vLLM's fs tier default, so a copied configuration behaves alike
@@ -300,12 +290,6 @@ def parse_config(
         raise ConfigError(
             "model_identity must be a non-empty string that changes whenever the model's "
             f"weights change (for example 'llama3-8b@2026-11-02'), got {model_identity!r}"
-        )
-    if tiers and module_path is None and refused_with_tiers(str(policy)):
-        raise ConfigError(
-            f"eviction_policy={policy} is not supported with secondary_tiers yet (blocks "
-            "promoted from a secondary tier evict each other before they are loaded); "
-            f"allowed with secondary_tiers: {', '.join(TIER_POLICIES)}"
         )
     roots = [os.path.realpath(t.root_dir) for t in tiers if isinstance(t, FsTierConfig)]
     if len(set(roots)) != len(roots):

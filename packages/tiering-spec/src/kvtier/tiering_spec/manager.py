@@ -291,9 +291,14 @@ class TierManager:
                         self._load_sources.pop(res.key, None)
                         continue
                     pool.complete_store([res.key], success=res.ok)
-                    if res.ok and res.key not in self._fresh:
-                        pool.prepare_load([res.key])  # pinned until vLLM loads it
-                        self._fresh[res.key] = self._step
+                    if res.ok:
+                        # A promotion is a use (a request asked for the key), for every
+                        # policy: one that scores by use keeps it above keys nobody
+                        # asked for lately, so promotions do not evict each other.
+                        pool.touch([res.key])
+                        if res.key not in self._fresh:
+                            pool.prepare_load([res.key])  # pinned until vLLM loads it
+                            self._fresh[res.key] = self._step
                     if not res.ok:
                         self.counters.promotion_failures += 1
                         self._load_sources.pop(res.key, None)

@@ -366,12 +366,6 @@ def run(
         bar.advance(min_work, f"optimum at {cap:,}")
     rows: dict[str, dict[str, list[Any]]] = {}
     kvtier_names = set(kvtier_policies())
-    if fs_capacity:  # policies the spec refuses in front of a secondary tier are left out
-        from kvtier.tiering_spec.config import refused_with_tiers
-
-        for p in [p for p in policies if p in kvtier_names and refused_with_tiers(p)]:
-            print(f"{p}: left out of the host + fs replay (refused with fs)", file=sys.stderr)
-        policies = [p for p in policies if p not in kvtier_names or not refused_with_tiers(p)]
     for name in policies:
         row: dict[str, list[Any]] = {
             k: []
