@@ -70,7 +70,7 @@ def test_failed_store_frees_its_blocks() -> None:
 
 
 def test_eviction_makes_room_and_reports_evicted_keys() -> None:
-    pool = HostBlockPool(4)
+    pool = HostBlockPool(4, eviction_policy="lru")
     stored(pool, [k(0), k(1), k(2), k(3)])
     plan = pool.prepare_store([k(4), k(5)])
     assert plan is not None and plan.evicted == [k(0), k(1)]
@@ -96,7 +96,7 @@ def test_keys_of_the_request_itself_are_not_evicted_for_it() -> None:
 
 
 def test_pinned_block_is_never_evicted() -> None:
-    pool = HostBlockPool(3)
+    pool = HostBlockPool(3, eviction_policy="lru")
     stored(pool, [k(0), k(1), k(2)])
     pool.prepare_load([k(0)])
     plan = pool.prepare_store([k(3)])
@@ -171,7 +171,7 @@ def test_nested_loads_keep_the_pin_until_the_last_completes() -> None:
 
 
 def test_touch_puts_the_first_key_last_in_eviction_order() -> None:
-    pool = HostBlockPool(4)
+    pool = HostBlockPool(4, eviction_policy="lru")
     stored(pool, [k(0), k(1), k(2), k(3)])
     pool.touch([k(1), k(0)])  # k(1) is the prefix head: most recent
     plan = pool.prepare_store([k(4), k(5), k(6)])
@@ -179,7 +179,7 @@ def test_touch_puts_the_first_key_last_in_eviction_order() -> None:
 
 
 def test_owned_blocks_come_from_the_same_capacity() -> None:
-    pool = HostBlockPool(6)
+    pool = HostBlockPool(6, eviction_policy="lru")
     stored(pool, [k(0), k(1), k(2), k(3)])
     blocks = pool.allocate_owned("req-a", 4)
     assert blocks is not None and len(blocks) == 4
@@ -229,7 +229,7 @@ def test_owned_blocks_accumulate_per_owner() -> None:
 
 
 def test_events_report_stored_and_removed_keys() -> None:
-    pool = HostBlockPool(2, enable_events=True)
+    pool = HostBlockPool(2, eviction_policy="lru", enable_events=True)
     stored(pool, [k(0), k(1)])
     stored(pool, [k(2)])
     assert pool.take_events() == [

@@ -43,6 +43,13 @@ def test_chunk_size_must_be_a_positive_integer(key: str, bad: object) -> None:
         parse_config({**BASE, key: bad}, tiering=False)
 
 
+def test_eviction_policy_defaults_to_frecency_and_lru_arc_stay_selectable() -> None:
+    assert parse_config(BASE, tiering=False).eviction_policy == "frecency"
+    for name in ("lru", "arc"):
+        config = parse_config({**BASE, "eviction_policy": name}, tiering=False)
+        assert config.eviction_policy == name
+
+
 def test_eviction_policy_names_the_allowed_values() -> None:
     with pytest.raises(ConfigError, match=r"eviction_policy must be one of lru, arc, frecency"):
         parse_config({**BASE, "eviction_policy": "mru"}, tiering=False)

@@ -122,7 +122,7 @@ def test_a_corrupt_file_is_a_miss_and_never_becomes_a_hit(make_tier) -> None:
 def test_a_promotion_never_evicts_the_keys_its_own_lookup_pass_found(make_tier) -> None:
     region = Region(3)
     tier = make_tier(region)
-    mgr = TierManager(HostBlockPool(3), [tier], max_write_backlog=64)
+    mgr = TierManager(HostBlockPool(3, eviction_policy="lru"), [tier], max_write_backlog=64)
     store(mgr, region, [b"a", b"b", b"c"])
     settle(mgr)
     store(mgr, region, [b"x"])  # a is evicted (least recently used)

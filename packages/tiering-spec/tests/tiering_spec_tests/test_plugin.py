@@ -305,7 +305,7 @@ def test_a_finished_requests_loads_keep_its_prefix_over_older_stores(
 @pytest.mark.parametrize(
     "finish_first", [False, True], ids=["stored-then-finished", "finished-first"]
 )
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "frecency"])
 def test_a_finished_requests_stored_prefix_is_evicted_from_its_tail(
     model: Path, policy: str, finish_first: bool
 ) -> None:

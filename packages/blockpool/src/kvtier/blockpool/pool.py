@@ -87,7 +87,7 @@ class HostBlockPool:
 
     Args:
         num_blocks: capacity in blocks (see ``resolve_budget``).
-        eviction_policy: ``"lru"`` or ``"arc"``.
+        eviction_policy: ``"frecency"`` (the default), ``"lru"`` or ``"arc"``.
         cache_policy_module_path: ``"pkg.module:Class"`` of a custom policy (overrides the name).
         enable_events: record ``CacheEvent``s for ``take_events``.
 
@@ -98,7 +98,7 @@ class HostBlockPool:
         self,
         num_blocks: int,
         *,
-        eviction_policy: str = "lru",
+        eviction_policy: str = "frecency",
         cache_policy_module_path: str | None = None,
         enable_events: bool = False,
     ) -> None:

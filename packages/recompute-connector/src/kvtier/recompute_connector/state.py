@@ -205,7 +205,8 @@ class RecomputeOffloadScheduler:
     ) -> None:
         if not groups:
             raise ValueError("at least one KV cache group is needed")
-        self.pool = HostBlockPool(num_host_blocks)
+        # Preempted requests' blocks, shared by reference: recency is what matters here.
+        self.pool = HostBlockPool(num_host_blocks, eviction_policy="lru")
         self.groups = tuple(groups)
         self.world_size = world_size
         self.null_block_id = null_block_id

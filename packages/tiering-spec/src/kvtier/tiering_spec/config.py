@@ -185,7 +185,7 @@ class OffloadConfig:
     budget: dict[str, int]
     blocks_per_chunk: int | None = None
     block_size: int | None = None
-    eviction_policy: str = "lru"
+    eviction_policy: str = "frecency"
     cache_policy_module_path: str | None = None
     store_threshold: int = 0
     max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
@@ -242,7 +242,7 @@ def parse_config(
         raise ConfigError(
             f"cache_policy_module_path must be 'package.module:Class', got {module_path!r}"
         )
-    policy = extra.get("eviction_policy", "lru")
+    policy = extra.get("eviction_policy", "frecency")
     if module_path is None and policy not in EVICTION_POLICIES:
         raise ConfigError(
             f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)} (or a class given "
