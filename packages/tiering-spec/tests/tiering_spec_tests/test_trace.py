@@ -23,6 +23,7 @@ from kvtier.tiering_spec.trace import (
     main,
     optimum,
     parse_trace,
+    reuse_oracle,
 )
 
 
@@ -142,6 +143,24 @@ def test_optimum_by_hand() -> None:
     assert optimum(HAND, 3).served == 3
     # A block never used again is not kept: 4 and 5 do not push out 1 and 2.
     assert optimum([[1, 2], [4], [5], [1, 2]], 2) == Optimum(2, 2)
+
+
+def test_reuse_oracle_by_hand() -> None:
+    # 2 and 3 never come back, so they take no room from 1: served at r3.
+    assert reuse_oracle([[1], [2], [3], [1]], 1) == 1
+    # Both 1 and 2 come back but one block fits: the one used more (1) stays.
+    assert reuse_oracle([[1], [1], [2], [1], [2]], 1) == 2
+    # Room for everything: every repeat (as MIN).
+    assert reuse_oracle(HAND, 3) == optimum(HAND, 3).served == 3
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        reuse_oracle(HAND, 0)
+
+
+def test_reuse_oracle_never_beats_the_bound() -> None:
+    for seed in range(5):
+        ids = _random_trace(random.Random(seed), 200)
+        for capacity in (4, 16, 64):
+            assert reuse_oracle(ids, capacity) <= optimum(ids, capacity).bound
 
 
 def test_optimum_reproduces_the_issue_figure() -> None:
@@ -274,6 +293,7 @@ def test_cli_json_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert report["capacities"] == [5, 20]
     assert report["bytes_per_block"] == 2 * 1 * 8 * 128 * 2 * 512
     assert len(report["optimum"]) == 2 and report["optimum"][0] <= report["optimum"][1]
+    assert all(0 <= v <= b for v, b in zip(report["reuse_oracle"], report["optimum_bound"]))
     assert list(report["policies"]) == ["lru", "vllm-lru"]
     for row in report["policies"].values():
         assert len(row["served"]) == 2
@@ -282,6 +302,7 @@ def test_cli_json_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "capacity 5 blocks" in text and "vllm-lru" in text
     assert "| policy | 5 (10 MiB) | 20 (40 MiB) |" in text  # the Markdown table
     assert "\n| lru | " in text and "\n| optimum (MIN) | " in text
+    assert "knowing only which blocks come back" in text
 
 
 def test_cli_refuses_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -48,6 +48,7 @@ from kvtier.tiering_spec.trace import (
     TraceRequest,
     next_uses,
     optimum,
+    reuse_oracle,
 )
 
 VLLM_POLICIES = ("vllm-lru", "vllm-arc")
@@ -356,14 +357,16 @@ def run(
     keys = trace_keys(requests)
     ids = [r.hash_ids for r in requests]
     total = sum(len(k) for k in keys)
-    # MIN costs about a quarter of a replay per capacity: it counts as such on the bar.
-    min_work = max(1, len(requests) // 4)
+    # MIN and the reuse oracle cost about half a replay per capacity: so on the bar.
+    min_work = max(1, len(requests) // 2)
     bar = Progress((len(requests) * len(policies) + min_work) * len(capacities), progress)
     uses = next_uses(ids)
     opts = []
+    oracle = []
     for cap in capacities:
         opts.append(optimum(ids, cap, uses))
-        bar.advance(min_work, f"optimum at {cap:,}")
+        oracle.append(reuse_oracle(ids, cap, uses))
+        bar.advance(min_work, f"optimum and reuse oracle at {cap:,}")
     rows: dict[str, dict[str, list[Any]]] = {}
     kvtier_names = set(kvtier_policies())
     for name in policies:
@@ -417,5 +420,6 @@ def run(
         "capacities": list(capacities),
         "optimum": [o.served / total if total else 0.0 for o in opts],
         "optimum_bound": [o.bound / total if total else 0.0 for o in opts],
+        "reuse_oracle": [n / total if total else 0.0 for n in oracle],
         "policies": rows,
     }
