@@ -17,7 +17,7 @@ Policies are chosen by name (``lru``, ``arc``) or loaded from a module path
 from __future__ import annotations
 
 import importlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from heapq import heapify, heappop, heappush
 from typing import Any, Protocol, runtime_checkable
@@ -262,15 +262,18 @@ class FrecencyPolicy:
     ``max(GHOST_KEYS, 4 * capacity)``, the first evicted forgotten first: a
     conversation that comes back after its blocks were evicted is known again.
 
-    A use writes its key's entry and nothing else: the heap holds each cached key
-    once, with the score it had when queued (a lower bound, as scores only grow
-    between halvings). Eviction pops the lowest; a key used since it was queued is
-    queued again with its score, any other goes.
+    A use writes its key's entry and nothing else: each cached key is queued once, with
+    the score it had when queued (a lower bound, as scores only grow between halvings).
+    Eviction takes the lowest; a key used since it was queued is queued again with its
+    score, any other goes. A key never seen before enters at the clock with no uses, so
+    such keys arrive in score order: they wait in a FIFO (an append, not a heap push),
+    and eviction takes the lower of its head and the heap's.
     """
 
     __slots__ = (
         "_cached",
         "_distances",
+        "_fresh",
         "_ghosts",
         "_heap",
         "_lead",
@@ -301,6 +304,8 @@ class FrecencyPolicy:
         # Cached key -> its item in the heap: (score when queued, order, key).
         self._cached: dict[Key, tuple[float, int, Key]] = {}
         self._heap: list[tuple[float, int, Key]] = []
+        # Keys never seen before, queued in insertion order, which is their score order.
+        self._fresh: deque[tuple[float, int, Key]] = deque()
         self._distances = [0] * 64  # reuse distances by bit length, halved as tuned
         # Since the last tuning: reuses seen as requests finished, and how many more of
         # them hit than LRU would have hit.
@@ -309,13 +314,17 @@ class FrecencyPolicy:
     def insert(self, keys: Sequence[Key]) -> None:
         """``keys`` entered the cache; a ghost gets its uses back."""
         seen, ghosts, cached, heap = self._seen, self._ghosts, self._cached, self._heap
+        fresh = self._fresh
         clock, order = self.clock, self._order
         for key in reversed(keys):  # the tail first: it goes first among equals
             entry = seen.get(key)
             order += 1
             if entry is None:
-                entry = seen[key] = [0, clock, -1, False, order]
-            elif ghosts.pop(key, _NO_KEY) is not _NO_KEY and entry[STORED_AT] >= 0:
+                seen[key] = [0, clock, -1, False, order]
+                item = cached[key] = (clock, order, key)
+                fresh.append(item)
+                continue
+            if ghosts.pop(key, _NO_KEY) is not _NO_KEY and entry[STORED_AT] >= 0:
                 entry[RESTORED] = True  # stored again: its next use was a miss
             item = (entry[USES] + entry[CLOCK], entry[ORDER], key)
             cached[key] = item
@@ -381,11 +390,14 @@ class FrecencyPolicy:
         """
         if n <= 0:
             return []
-        heap, cached, seen = self._heap, self._cached, self._seen
+        heap, fresh, cached, seen = self._heap, self._fresh, self._cached, self._seen
         victims: list[tuple[float, int, Key]] = []
         refused: list[tuple[float, int, Key]] = []
-        while len(victims) < n and heap:
-            item = heappop(heap)
+        while len(victims) < n and (heap or fresh):
+            if fresh and (not heap or fresh[0] < heap[0]):
+                item = fresh.popleft()
+            else:
+                item = heappop(heap)
             key = item[2]
             if cached.get(key) is not item:
                 continue  # the key left the cache
@@ -442,6 +454,7 @@ class FrecencyPolicy:
             cached[key] = (entry[USES] + entry[CLOCK], entry[ORDER], key)
         self._heap = list(cached.values())
         heapify(self._heap)
+        self._fresh.clear()
 
     def score(self, key: Key) -> float:
         """``key``'s score now (cached keys and ghosts)."""
