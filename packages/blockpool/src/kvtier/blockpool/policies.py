@@ -394,10 +394,8 @@ class FrecencyPolicy:
         victims: list[tuple[float, int, Key]] = []
         refused: list[tuple[float, int, Key]] = []
         while len(victims) < n and (heap or fresh):
-            if fresh and (not heap or fresh[0] < heap[0]):
-                item = fresh.popleft()
-            else:
-                item = heappop(heap)
+            from_fresh = fresh and (not heap or fresh[0] < heap[0])
+            item = fresh.popleft() if from_fresh else heappop(heap)
             key = item[2]
             if cached.get(key) is not item:
                 continue  # the key left the cache

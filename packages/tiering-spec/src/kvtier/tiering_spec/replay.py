@@ -35,7 +35,6 @@ import functools
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
