@@ -1,24 +1,16 @@
-"""The trace replay through ``vllm serve``, without an engine: reading a trace (clear
-errors naming the line), choosing the window, block ids as tokens, the table and goals."""
+"""The trace replay through ``vllm serve``, without an engine: the trace read through the
+tiering spec's loader, choosing the window, block ids as tokens, the table and goals."""
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 import pytest
 
 from kvtier.demo import bench_trace as bt
-from kvtier.demo.bench_trace import (
-    BlockTokens,
-    Request,
-    TraceError,
-    TraceRequest,
-    Window,
-    read_trace,
-    reuse_share,
-)
+from kvtier.demo.bench_trace import BlockTokens, Request, Window, reuse_share
+from kvtier.tiering_spec.trace import TraceRequest, load_trace
 
 
 def write_trace(path: Path, rows: list[object]) -> Path:
@@ -30,48 +22,30 @@ def line(ts: float, ids: list[int], out: int = 10) -> dict[str, object]:
     return {"timestamp": ts, "input_length": 512 * len(ids), "output_length": out, "hash_ids": ids}
 
 
-def test_reads_a_trace_plain_and_compressed(tmp_path: Path) -> None:
-    rows = [line(0, [0, 1, 2]), line(1500, [0, 1, 2, 3], 7)]
-    plain = write_trace(tmp_path / "t.jsonl", rows)
-    packed = tmp_path / "t.jsonl.gz"
-    packed.write_bytes(gzip.compress(plain.read_bytes()))
-    for path in (plain, packed):
-        assert read_trace(path) == [
-            TraceRequest(0.0, (0, 1, 2), 10),
-            TraceRequest(1500.0, (0, 1, 2, 3), 7),
-        ]
-
-
-@pytest.mark.parametrize(
-    ("bad", "message"),
-    [
-        ("not json", "not JSON"),
-        ("[1, 2]", "JSON object"),
-        (json.dumps(line(-1, [0])), "timestamp"),
-        (json.dumps({**line(0, [0]), "hash_ids": []}), "hash_ids"),
-        (json.dumps({**line(0, [0]), "hash_ids": [0, "x"]}), "hash_ids"),
-        (json.dumps({**line(0, [0]), "output_length": -3}), "output_length"),
-    ],
-)
-def test_a_bad_line_is_an_error_naming_it(tmp_path: Path, bad: str, message: str) -> None:
-    path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps(line(0, [0])) + "\n" + bad + "\n")
-    with pytest.raises(TraceError, match=rf"t\.jsonl:2: .*{message}"):
-        read_trace(path)
-
-
-def test_no_trace_given_and_none_packaged_is_a_clear_error(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_the_trace_goes_through_the_tiering_specs_loader(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(bt, "packaged_trace", lambda: None)
-    assert bt.main([]) == 2
-    assert "--trace PATH" in capsys.readouterr().err
-    with pytest.raises(TraceError, match="no such file"):
-        bt.resolve_trace("/nonexistent/trace.jsonl")
+    """A bad line is refused with its line number (the loader's own tests cover the
+    format); a missing file is an error, not a traceback."""
+    bad = write_trace(tmp_path / "t.jsonl", [line(0, [0]), {**line(1, [0]), "hash_ids": [0, "x"]}])
+    assert bt.main(["--trace", str(bad)]) == 2
+    assert "t.jsonl" in capsys.readouterr().err
+    assert bt.main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_the_packaged_trace_is_read_by_default() -> None:
+    trace = load_trace()
+    assert len(trace) == 12031
+    assert Window().select(trace), "the default window holds requests"
+
+
+def _req(ts_ms: float, ids: tuple[int, ...], out: int) -> TraceRequest:
+    return TraceRequest(1, ts_ms, 512 * len(ids), out, ids)
 
 
 def test_window_keeps_whole_conversations_and_compresses_arrivals() -> None:
-    trace = [TraceRequest(1000.0 * t, (0, 100 + t % 5, 200 + t), 50) for t in range(400)]
+    trace = [_req(1000.0 * t, (0, 100 + t % 5, 200 + t), 50) for t in range(400)]
     window = Window(start_s=10, seconds=300, sample=0.4, speedup=10, max_blocks=2, max_output=8)
     chosen = window.select(trace)
     kept = {r.hash_ids[1] for r in chosen}
@@ -85,6 +59,7 @@ def test_window_keeps_whole_conversations_and_compresses_arrivals() -> None:
     assert [r.index for r in chosen] == list(range(len(chosen)))
     assert window.select(trace) == chosen, "the window must be the same in every run"
     assert Window(seed=1, sample=0.4).select(trace) != Window(sample=0.4).select(trace)
+    assert Window(sample=1.0).select([_req(0.0, (), 5)]) == [], "no block, no prompt"
 
 
 def test_a_block_id_is_the_same_tokens_wherever_it_appears() -> None:
@@ -143,25 +118,3 @@ def test_rows_skip_the_new_policy_with_a_note_when_there_is_none() -> None:
     assert shared is not None
     tiers = shared["kv_connector_extra_config"]["secondary_tiers"]
     assert tiers == [{"type": "mooncake"}] and len(rows[-1].kv) == 2
-
-
-def test_the_synthetic_smoke_trace_has_reusable_prefixes() -> None:
-    trace = bt.synthetic_trace()
-    assert [r.timestamp_ms for r in trace] == sorted(r.timestamp_ms for r in trace)
-    chosen = Window(sample=1.0, speedup=200).select(trace)
-    assert len(chosen) == 24 and reuse_share(chosen) > 0.3
-
-
-def test_the_packaged_trace_is_found_by_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import importlib.resources
-
-    traces = tmp_path / "traces"
-    traces.mkdir()
-    monkeypatch.setattr(importlib.resources, "files", lambda _pkg: tmp_path)
-    assert bt.packaged_trace() is None
-    (traces / "NOTICE").write_text("")
-    (traces / "mooncake-conversation.jsonl.gz").write_bytes(b"")
-    found = bt.packaged_trace()
-    assert found is not None and found.name == "mooncake-conversation.jsonl.gz"

@@ -5,8 +5,9 @@
 The trace is Mooncake's conversation trace (FAST'25; one JSON object a line with
 ``timestamp`` in ms, ``input_length``, ``output_length`` and ``hash_ids``, the prompt's
 512-token blocks as integers that form a prefix tree). ``--trace PATH`` reads any file
-of that format (``.gz``, ``.xz`` and ``.bz2`` are decompressed); without it the copy
-packaged in kvtier-tiering-spec (``kvtier.tiering_spec`` ``traces/``) is read.
+of that format (gzip, xz and bzip2 are decompressed); without it the copy packaged in
+kvtier-tiering-spec is read. Both go through kvtier-tiering-spec's validating loader
+(``kvtier.tiering_spec.trace.load_trace``), which names the line of a bad input.
 
 The window:
 
@@ -53,18 +54,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bz2
 import concurrent.futures
 import contextlib
-import dataclasses
-import gzip
 import hashlib
 import importlib
-import importlib.resources
-import io
 import json
-import lzma
-import os
 import random
 import shutil
 import socket
@@ -76,122 +70,13 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-TRACE_STEM = "mooncake-conversation"
+from kvtier.tiering_spec.trace import DEFAULT_TRACE, TraceError, TraceRequest, load_trace
+
 MOONCAKE_HINT = (
     "pip install mooncake-transfer-engine-non-cuda (CPU; -npu on Ascend) and Debian's libibverbs1"
 )
-
-
-# --------------------------------------------------------------------------- trace
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be read; the message names the file and the line."""
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    """One line of a trace: arrival (ms since the first request), prompt blocks, output."""
-
-    timestamp_ms: float
-    hash_ids: tuple[int, ...]
-    output_length: int
-
-
-def packaged_trace() -> Path | None:
-    """The conversation trace shipped in kvtier-tiering-spec's ``traces/`` folder (a
-    ``*conversation*.jsonl`` file, compressed or not), or None."""
-    try:
-        folder = importlib.resources.files("kvtier.tiering_spec") / "traces"
-    except (ModuleNotFoundError, TypeError):
-        return None
-    if not folder.is_dir():
-        return None
-    names = sorted(
-        (e.name for e in folder.iterdir() if ".jsonl" in e.name and "conversation" in e.name),
-        key=lambda n: (not n.startswith(TRACE_STEM), n),  # the expected name first
-    )
-    return Path(str(folder / names[0])) if names else None
-
-
-def resolve_trace(path: str | None) -> Path:
-    """``path``, else the packaged trace; a clear error when there is neither."""
-    if path is not None:
-        found = Path(path)
-        if not found.is_file():
-            raise TraceError(f"--trace {path}: no such file")
-        return found
-    packaged = packaged_trace()
-    if packaged is None:
-        raise TraceError(
-            "no trace given and none packaged: pass --trace PATH (a JSON-lines file of "
-            "timestamp, input_length, output_length and hash_ids, such as Mooncake's "
-            "FAST25-release/traces/conversation_trace.jsonl)"
-        )
-    return packaged
-
-
-def _open_text(path: Path) -> IO[str]:
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    if path.suffix == ".xz":
-        return io.TextIOWrapper(lzma.open(path, "rb"), encoding="utf-8")
-    if path.suffix == ".bz2":
-        return io.TextIOWrapper(bz2.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def read_trace(path: str | os.PathLike[str]) -> list[TraceRequest]:
-    """Every request of a trace file, validated; a bad line raises :class:`TraceError`
-    naming the file and the line."""
-    path = Path(path)
-    out: list[TraceRequest] = []
-    with _open_text(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{where}: not JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"{where}: expected a JSON object")
-            ts, ids, out_len = (obj.get(k) for k in ("timestamp", "hash_ids", "output_length"))
-            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
-                raise TraceError(f"{where}: timestamp must be a number >= 0, got {ts!r}")
-            if (
-                not isinstance(ids, list)
-                or not ids
-                or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-            ):
-                raise TraceError(f"{where}: hash_ids must be a non-empty list of integers")
-            if isinstance(out_len, bool) or not isinstance(out_len, int) or out_len < 0:
-                raise TraceError(f"{where}: output_length must be an integer >= 0")
-            out.append(TraceRequest(float(ts), tuple(ids), out_len))
-    if not out:
-        raise TraceError(f"{path}: no requests")
-    return out
-
-
-def synthetic_trace(conversations: int = 8, turns: int = 3, seed: int = 0) -> list[TraceRequest]:
-    """A small trace of the same shape for ``--smoke`` where no trace is packaged: one
-    system-prompt block, then conversations whose turns extend their earlier prompt,
-    arriving interleaved over a minute."""
-    rng = random.Random(seed)
-    out: list[TraceRequest] = []
-    next_id = 1
-    for c in range(conversations):
-        ids = [0]
-        for t in range(turns):
-            new = rng.randint(2, 5)
-            ids = ids + list(range(next_id, next_id + new))
-            next_id += new
-            ts = 1000.0 * (c * 5 + t * 20 + rng.random())
-            out.append(TraceRequest(ts, tuple(ids), rng.randint(4, 64)))
-    return sorted(out, key=lambda r: r.timestamp_ms)
 
 
 # -------------------------------------------------------------------------- window
@@ -211,7 +96,9 @@ class Window:
     seed: int = 0
 
     def keeps(self, req: TraceRequest) -> bool:
-        if not self.start_s * 1000 <= req.timestamp_ms < (self.start_s + self.seconds) * 1000:
+        if not req.hash_ids:  # a prompt shorter than a block: nothing to replay
+            return False
+        if not self.start_s * 1000 <= req.timestamp < (self.start_s + self.seconds) * 1000:
             return False
         if self.sample >= 1:
             return True
@@ -228,11 +115,11 @@ class Window:
         return [
             Request(
                 index=i,
-                arrival_s=(r.timestamp_ms - t0) / 1000 / self.speedup,
+                arrival_s=(r.timestamp - t0) / 1000 / self.speedup,
                 hash_ids=r.hash_ids[: self.max_blocks],
                 max_tokens=max(1, min(r.output_length, self.max_output)),
             )
-            for i, r in enumerate(sorted(kept, key=lambda r: r.timestamp_ms))
+            for i, r in enumerate(sorted(kept, key=lambda r: r.timestamp))
         ]
 
 
@@ -850,21 +737,12 @@ def build(opts: argparse.Namespace) -> tuple[Window, Setup]:
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     window, setup = build(opts)
-    trace_name = "synthetic"
-    if opts.smoke and opts.trace is None and packaged_trace() is None:
-        # CI exercises the serving path; the trace itself is tested on its own.
-        print("no trace packaged: --smoke replays a small synthetic trace")
-        trace = synthetic_trace(seed=window.seed)
-        if opts.sample is None:
-            window = dataclasses.replace(window, sample=1.0)
-    else:
-        try:
-            trace_path = resolve_trace(opts.trace)
-            trace = read_trace(trace_path)
-        except TraceError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        trace_name = trace_path.name
+    try:
+        trace = load_trace(opts.trace)  # the trace kvtier-tiering-spec ships, by default
+    except TraceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    trace_name = Path(opts.trace).name if opts.trace else DEFAULT_TRACE.name
     requests = window.select(trace)
     if not requests:
         print("error: the window holds no request", file=sys.stderr)
