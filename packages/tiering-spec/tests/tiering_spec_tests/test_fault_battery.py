@@ -590,6 +590,38 @@ def test_unidentified_weights_get_a_fingerprint_of_their_own(
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_a_restarted_engine_of_the_same_model_indexes_its_files(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The connector hands the spec vLLM's configs (no stack walk): the fingerprint is
+    verified, the same on a restart, so the second engine indexes the first one's files
+    at start-up and serves from them. An unverified fingerprint is random per start and
+    would index none."""
+    from kvtier.testkit import Workload, kv_transfer_config, run_with
+    from kvtier.testkit.engine import kv_connector_of
+
+    from .e2e_support import ENGINE, offload_config, prefix_prompts
+
+    workload = Workload(prefix_prompts(), 8)
+    cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(tmp_path / "fs"))
+
+    def fs_stats(llm: Any) -> Any:
+        return kv_connector_of(llm).connector_scheduler.manager.core.fs_tiers[0].stats
+
+    first_run, first = run_with(
+        tiny_model, workload, inspect=fs_stats, kv_transfer_config=kv_transfer_config(cfg), **ENGINE
+    )
+    assert first.writes > 0
+    second_run, second = run_with(
+        tiny_model, workload, inspect=fs_stats, kv_transfer_config=kv_transfer_config(cfg), **ENGINE
+    )
+    assert second.files_indexed_at_start > 0, "the first engine's files were not indexed"
+    assert second.reads > 0
+    assert second_run.outputs == first_run.outputs
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_model_rewritten_in_place_gets_misses_not_its_old_kv(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -21,6 +21,7 @@ metrics it builds on :class:`kvtier.tiering_spec.vllm_compat.OffloadingConnector
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from typing import Any
 
@@ -42,6 +43,11 @@ if compat.SPEC_METRICS:
     )
 else:
     _Base = compat.OffloadingConnector
+
+
+# The base constructor's parameters (vllm_config, role, kv_cache_config), to name the
+# arguments vLLM passes, by position or by keyword.
+_BASE_INIT = inspect.signature(_Base.__init__)
 
 
 @dataclasses.dataclass
@@ -71,7 +77,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
     recomputed instead of failing vLLM's assertion."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # vLLM's constructor builds the spec: hand it this engine's configs explicitly.
+        given = _BASE_INIT.bind_partial(self, *args, **kwargs).arguments
+        with compat.building_spec(given.get("vllm_config"), given.get("kv_cache_config")):
+            super().__init__(*args, **kwargs)
         self._kvtier_worker_spec: _KvtierSpec | None = None
         self._kvtier_manager: KvtierOffloadingManager | None = None
         self._store_failure_logged = False

@@ -31,10 +31,11 @@ own modules, not from version numbers (the release that changed it in brackets):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import importlib
 import importlib.util
-import inspect
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -261,33 +262,44 @@ else:
     SpecBase = _LegacySpecBase
 
 
+# The engine configs of the connector that is building a spec right now: vLLM 0.32 hands
+# a spec only an ``OffloadingConfig``, so kvtier's connector (and ``create_spec``) hand
+# them over explicitly, for the duration of the spec's construction.
+_BUILDING: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar(
+    "kvtier_building_spec", default=None
+)
+
+
+@contextlib.contextmanager
+def building_spec(vllm_config: Any, kv_cache_config: Any) -> Iterator[None]:
+    """Specs built inside this block see ``vllm_config`` and ``kv_cache_config`` in
+    :func:`engine_configs` (where vLLM 0.32 and later do not hand them over)."""
+    token = _BUILDING.set((vllm_config, kv_cache_config))
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
 def engine_configs(spec: Any) -> tuple[Any, Any]:
     """The ``VllmConfig`` and ``KVCacheConfig`` behind ``spec``, or (None, None).
 
     Older releases hand them to the spec. vLLM 0.32 hands a spec only an
-    ``OffloadingConfig``, which names the model by its path alone; the connector
-    constructor building the spec holds both as locals, found up the call stack.
+    ``OffloadingConfig``, which names the model by its path alone; kvtier's connector
+    hands both over while it builds the spec (:func:`building_spec`). A spec built
+    outside it (vLLM's own connector, an offline replay) gets (None, None): its fs
+    tier's fingerprint is then unverified, as the start-up log says.
     """
     if not CONFIG_API:
         return getattr(spec, "vllm_config", None), getattr(spec, "kv_cache_config", None)
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    vllm_config = kv_cache_config = None
-    frame = inspect.currentframe()
-    try:
-        for _ in range(16):
-            if frame is None or (vllm_config is not None and kv_cache_config is not None):
-                break
-            local = frame.f_locals
-            if vllm_config is None and isinstance(local.get("vllm_config"), VllmConfig):
-                vllm_config = local["vllm_config"]
-            if kv_cache_config is None and isinstance(local.get("kv_cache_config"), KVCacheConfig):
-                kv_cache_config = local["kv_cache_config"]
-            frame = frame.f_back
-    finally:
-        del frame
-    return vllm_config, kv_cache_config
+    vllm_config, kv_cache_config = _BUILDING.get() or (None, None)
+    return (
+        vllm_config if isinstance(vllm_config, VllmConfig) else None,
+        kv_cache_config if isinstance(kv_cache_config, KVCacheConfig) else None,
+    )
 
 
 def create_spec(spec_cls: type, vllm_config: Any, kv_cache_config: Any) -> Any:
@@ -298,7 +310,8 @@ def create_spec(spec_cls: type, vllm_config: Any, kv_cache_config: Any) -> Any:
         build_offloading_config,
     )
 
-    return spec_cls(build_offloading_config(vllm_config, kv_cache_config))
+    with building_spec(vllm_config, kv_cache_config):
+        return spec_cls(build_offloading_config(vllm_config, kv_cache_config))
 
 
 # -- block hashes -------------------------------------------------------------------------
