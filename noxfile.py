@@ -395,10 +395,13 @@ def _need_ibverbs(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole repository, one root configuration."""
+    """ruff over the whole repository, one root configuration; then the source rules
+    ruff cannot express (tools/check_src.py: no stack-frame reads under src/)."""
     session.install("ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", "tools/check_src.py", "--self-test")
+    session.run("python", "tools/check_src.py")
 
 
 @nox.session
