@@ -64,9 +64,7 @@ def self_test() -> None:
         assert problems(Path(tmp), set()) == [], "a comment is not a frame read"
         (src / "bad.py").write_text("import sys\nowner = sys._getframe(1).f_locals['self']\n")
         found = problems(Path(tmp), set())
-        assert found == [
-            f"{src.relative_to(tmp).as_posix()}/bad.py:2: " + found[0].split(": ", 1)[1]
-        ]
+        assert len(found) == 1 and found[0].startswith("packages/x/src/kvtier/x/bad.py:2: ")
         assert problems(Path(tmp), {"packages/x/src/kvtier/x/bad.py"}) == []
         stale = problems(Path(tmp), {"packages/x/src/kvtier/x/bad.py", "packages/x/gone.py"})
         assert stale and "no longer does" in stale[0]

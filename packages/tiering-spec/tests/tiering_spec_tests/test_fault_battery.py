@@ -597,27 +597,34 @@ def test_a_restarted_engine_of_the_same_model_indexes_its_files(
     verified, the same on a restart, so the second engine indexes the first one's files
     at start-up and serves from them. An unverified fingerprint is random per start and
     would index none."""
+    first_run, first = _run_with_fs_tier(tiny_model, tmp_path / "fs")
+    assert first.writes > 0
+    second_run, second = _run_with_fs_tier(tiny_model, tmp_path / "fs")
+    assert second.files_indexed_at_start > 0, "the first engine's files were not indexed"
+    assert second.reads > 0
+    assert second_run.outputs == first_run.outputs
+
+
+def _run_with_fs_tier(model: Path, root_dir: Path) -> tuple[Any, Any]:
+    """The prefix workload on ``model`` with a TieringOffloadingSpec fs tier at
+    ``root_dir``: the run and the fs tier's stats."""
     from kvtier.testkit import Workload, kv_transfer_config, run_with
     from kvtier.testkit.engine import kv_connector_of
 
     from .e2e_support import ENGINE, offload_config, prefix_prompts
 
-    workload = Workload(prefix_prompts(), 8)
-    cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(tmp_path / "fs"))
+    cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(root_dir))
 
     def fs_stats(llm: Any) -> Any:
         return kv_connector_of(llm).connector_scheduler.manager.core.fs_tiers[0].stats
 
-    first_run, first = run_with(
-        tiny_model, workload, inspect=fs_stats, kv_transfer_config=kv_transfer_config(cfg), **ENGINE
+    return run_with(
+        model,
+        Workload(prefix_prompts(), 8),
+        inspect=fs_stats,
+        kv_transfer_config=kv_transfer_config(cfg),
+        **ENGINE,
     )
-    assert first.writes > 0
-    second_run, second = run_with(
-        tiny_model, workload, inspect=fs_stats, kv_transfer_config=kv_transfer_config(cfg), **ENGINE
-    )
-    assert second.files_indexed_at_start > 0, "the first engine's files were not indexed"
-    assert second.reads > 0
-    assert second_run.outputs == first_run.outputs
 
 
 @pytest.mark.e2e
@@ -630,36 +637,19 @@ def test_a_model_rewritten_in_place_gets_misses_not_its_old_kv(
     The first engine fills the fs tier; the weights are then replaced by another
     seed's (same shapes, same config). The second engine must index and read none of
     the old files, and its outputs must match a reference run of the new weights."""
-    from kvtier.testkit import (
-        Workload,
-        compare_outputs,
-        kv_transfer_config,
-        make_tiny_llama,
-        run_with,
-    )
-    from kvtier.testkit.engine import kv_connector_of
+    from kvtier.testkit import Workload, compare_outputs, make_tiny_llama, run_with
 
-    from .e2e_support import ENGINE, ROOMY, offload_config, prefix_prompts
+    from .e2e_support import ROOMY, prefix_prompts
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
-    workload = Workload(prefix_prompts(), 8)
-    cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(tmp_path / "fs"))
-
-    def fs_stats(llm: Any) -> Any:
-        return kv_connector_of(llm).connector_scheduler.manager.core.fs_tiers[0].stats
-
-    _, first = run_with(
-        model, workload, inspect=fs_stats, kv_transfer_config=kv_transfer_config(cfg), **ENGINE
-    )
+    _, first = _run_with_fs_tier(model, tmp_path / "fs")
     assert first.writes > 0
     other = make_tiny_llama(seed=1)
     shutil.copyfile(other / "model.safetensors", model / "model.safetensors")
 
-    reference, _ = run_with(model, workload, **ROOMY)
-    got, second = run_with(
-        model, workload, inspect=fs_stats, kv_transfer_config=kv_transfer_config(cfg), **ENGINE
-    )
+    reference, _ = run_with(model, Workload(prefix_prompts(), 8), **ROOMY)
+    got, second = _run_with_fs_tier(model, tmp_path / "fs")
     assert second.files_indexed_at_start == 0, "the old model's files were indexed"
     cmp = compare_outputs(reference.outputs, got.outputs)
     assert cmp.identical, cmp.report()

@@ -26,7 +26,6 @@ from kvtier.blockpool import (
 logger = logging.getLogger("kvtier.tiering_spec")
 
 EVICTION_POLICIES = ("lru", "arc", "frecency")
-
 TIER_TYPES = ("fs", "mooncake")
 DEFAULT_IO_THREADS = 16  # vLLM's fs tier default, so a copied configuration behaves alike
 MAX_IO_THREADS = 256

@@ -299,7 +299,7 @@ class TierManager:
                         if res.key not in self._fresh:
                             pool.prepare_load([res.key])  # pinned until vLLM loads it
                             self._fresh[res.key] = self._step
-                    if not res.ok:
+                    else:
                         self.counters.promotion_failures += 1
                         self._load_sources.pop(res.key, None)
                 elif res.op == "write":
