@@ -155,7 +155,7 @@ def test_frecency_halves_uses_when_lru_would_have_hit_more() -> None:
     policy.touch_prefix(["old"], ())
     for _ in range(3):  # three more requests use it; they hit, as under LRU
         policy.touch_prefix(["old"], {"old"})
-    assert policy._seen["old"][0] == 4
+    assert policy._seen["old"].uses == 4
     policy.insert(["x"])
     policy.touch_prefix(["x"], ())
     # "x" comes back within 2 stored blocks, twice, after frecency evicted it: two
@@ -164,7 +164,7 @@ def test_frecency_halves_uses_when_lru_would_have_hit_more() -> None:
         assert policy.evict(1, lambda key: key == "x") == ["x"]
         policy.insert(["x"])
         policy.touch_prefix(["x"], ())
-    assert policy._seen["old"][0] == 2
+    assert policy._seen["old"].uses == 2
 
 
 class EvictNewestFirst:

@@ -20,7 +20,7 @@ import importlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from heapq import heapify, heappop, heappush
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 Key = Hashable
 
@@ -233,9 +233,25 @@ class ARCPolicy:
         return [*self.t1, *self.t2]
 
 
-# A frecency entry: [uses, clock at the last use, blocks stored before the last use
-# (-1: never used), stored again since (its next use is no hit), order of the last use]
-USES, CLOCK, STORED_AT, RESTORED, ORDER = range(5)
+_GHOST_ITEM: tuple[float, int, Key] = (0.0, -1, _NO_KEY)
+"""An evicted key's item: in no queue."""
+
+
+class _Entry:
+    """What frecency knows of a cached key or a ghost. A touch writes three fields in
+    place: an object with slots holds them inline, one memory read away."""
+
+    __slots__ = ("clock", "item", "order", "restored", "stored_at", "uses")
+
+    def __init__(self, clock: float, order: int, item: tuple[float, int, Key]) -> None:
+        self.uses: float = 0  # uses so far (halved as tuned)
+        self.clock = clock  # the virtual clock at the last use
+        self.stored_at = -1  # blocks stored before the last use (-1: never used)
+        self.restored = False  # stored again since: its next use was a miss
+        self.order = order  # order of the last use
+        # Its item in the queue while cached: (score when queued, order, key);
+        # _GHOST_ITEM while a ghost.
+        self.item = item
 
 
 class FrecencyPolicy:
@@ -271,7 +287,6 @@ class FrecencyPolicy:
     """
 
     __slots__ = (
-        "_cached",
         "_distances",
         "_fresh",
         "_ghosts",
@@ -299,10 +314,8 @@ class FrecencyPolicy:
         self.stored = 0  # blocks stored so far: reuse distances are counted in them
         self._order = 0  # uses so far, to order equal scores
         self._next_tune = self.capacity
-        self._seen: dict[Key, list[Any]] = {}  # cached keys and ghosts -> entry
+        self._seen: dict[Key, _Entry] = {}  # cached keys and ghosts -> entry
         self._ghosts: OrderedDict[Key, None] = OrderedDict()  # first evicted first
-        # Cached key -> its item in the heap: (score when queued, order, key).
-        self._cached: dict[Key, tuple[float, int, Key]] = {}
         self._heap: list[tuple[float, int, Key]] = []
         # Keys never seen before, queued in insertion order, which is their score order.
         self._fresh: deque[tuple[float, int, Key]] = deque()
@@ -313,21 +326,19 @@ class FrecencyPolicy:
 
     def insert(self, keys: Sequence[Key]) -> None:
         """``keys`` entered the cache; a ghost gets its uses back."""
-        seen, ghosts, cached, heap = self._seen, self._ghosts, self._cached, self._heap
-        fresh = self._fresh
+        seen, ghosts, heap, fresh = self._seen, self._ghosts, self._heap, self._fresh
         clock, order = self.clock, self._order
         for key in reversed(keys):  # the tail first: it goes first among equals
             entry = seen.get(key)
             order += 1
             if entry is None:
-                seen[key] = [0, clock, -1, False, order]
-                item = cached[key] = (clock, order, key)
+                item = (clock, order, key)
+                seen[key] = _Entry(clock, order, item)
                 fresh.append(item)
                 continue
-            if ghosts.pop(key, _NO_KEY) is not _NO_KEY and entry[STORED_AT] >= 0:
-                entry[RESTORED] = True  # stored again: its next use was a miss
-            item = (entry[USES] + entry[CLOCK], entry[ORDER], key)
-            cached[key] = item
+            if ghosts.pop(key, _NO_KEY) is not _NO_KEY and entry.stored_at >= 0:
+                entry.restored = True  # stored again: its next use was a miss
+            item = entry.item = (entry.uses + entry.clock, entry.order, key)
             heappush(heap, item)
         self._order = order
         self.stored += len(keys)
@@ -339,38 +350,36 @@ class FrecencyPolicy:
         """``keys`` were used, head first: each counts one use. vLLM before 0.32 calls
         this for a request's keys at every store, so it is kept lean: it feeds neither
         the reuse distances nor the comparison with LRU. Unknown keys are ignored."""
-        seen, clock, order = self._seen, self.clock, self._order
-        for key in reversed(keys):
-            entry = seen.get(key)
+        clock, order = self.clock, self._order
+        for entry in map(self._seen.get, reversed(keys)):
             if entry is not None:
                 order += 1
-                entry[USES] += 1
-                entry[CLOCK] = clock
-                entry[ORDER] = order
+                entry.uses += 1
+                entry.clock = clock
+                entry.order = order
         self._order = order
 
     def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
         """A request finished with ``keys`` (head first): each counts one use, whether
         the request stored it or reused it; a reuse records its distance and whether
         it hit where LRU would have. Unknown keys are ignored."""
-        seen, distances = self._seen, self._distances
+        distances = self._distances
         clock, now, capacity, order = self.clock, self.stored, self.capacity, self._order
         reuses = lead = 0  # lead: reuses that hit, less those LRU would have hit
-        for key in reversed(keys):
-            entry = seen.get(key)
+        for entry in map(self._seen.get, reversed(keys)):
             if entry is None:
                 continue
-            if entry[STORED_AT] >= 0:  # used before: a reuse
-                distance = now - entry[STORED_AT]
+            if entry.stored_at >= 0:  # used before: a reuse
+                distance = now - entry.stored_at
                 distances[distance.bit_length()] += 1
                 reuses += 1
-                lead += (not entry[RESTORED]) - (distance <= capacity)
-                entry[RESTORED] = False
+                lead += (not entry.restored) - (distance <= capacity)
+                entry.restored = False
             order += 1
-            entry[USES] += 1
-            entry[CLOCK] = clock
-            entry[STORED_AT] = now
-            entry[ORDER] = order
+            entry.uses += 1
+            entry.clock = clock
+            entry.stored_at = now
+            entry.order = order
         self._order = order
         self._lead += lead
         self._reuses += reuses
@@ -379,7 +388,6 @@ class FrecencyPolicy:
 
     def remove(self, key: Key) -> None:
         """``key`` left the cache other than by ``evict``; it leaves no ghost."""
-        del self._cached[key]
         del self._seen[key]
 
     def evict(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
@@ -390,36 +398,39 @@ class FrecencyPolicy:
         """
         if n <= 0:
             return []
-        heap, fresh, cached, seen = self._heap, self._fresh, self._cached, self._seen
-        victims: list[tuple[float, int, Key]] = []
+        heap, fresh, seen = self._heap, self._fresh, self._seen
+        victims: list[_Entry] = []
         refused: list[tuple[float, int, Key]] = []
         while len(victims) < n and (heap or fresh):
             from_fresh = fresh and (not heap or fresh[0] < heap[0])
             item = fresh.popleft() if from_fresh else heappop(heap)
             key = item[2]
-            if cached.get(key) is not item:
+            entry = seen.get(key)
+            if entry is None or entry.item is not item:
                 continue  # the key left the cache
-            entry = seen[key]
-            if entry[ORDER] != item[1]:  # used since it was queued: queue it anew
-                item = cached[key] = (entry[USES] + entry[CLOCK], entry[ORDER], key)
+            if entry.order != item[1]:  # used since it was queued: queue it anew
+                item = entry.item = (entry.uses + entry.clock, entry.order, key)
                 heappush(heap, item)
             elif evictable(key):
-                victims.append(item)
+                victims.append(entry)
             else:
                 refused.append(item)
         for item in refused:
             heappush(heap, item)
         if len(victims) < n:
-            for item in victims:
-                heappush(heap, item)
+            for entry in victims:
+                heappush(heap, entry.item)
             return None
         ghosts = self._ghosts
-        for item in victims:
-            del cached[item[2]]
-            ghosts[item[2]] = None
+        keys = []
+        for entry in victims:
+            key = entry.item[2]
+            entry.item = _GHOST_ITEM
+            ghosts[key] = None
+            keys.append(key)
         while len(ghosts) > self.max_ghosts:
             del seen[ghosts.popitem(last=False)[0]]
-        return [item[2] for item in victims]
+        return keys
 
     def _tune(self) -> None:
         """Halve the uses if LRU would have hit more reuses since the last tuning; set
@@ -443,29 +454,29 @@ class FrecencyPolicy:
 
     def _halve_uses(self) -> None:
         """Halve every key's uses and queue the cached keys anew with their scores."""
-        seen = self._seen
-        for entry in seen.values():
-            entry[USES] /= 2
-        cached = self._cached
-        for key in cached:
-            entry = seen[key]
-            cached[key] = (entry[USES] + entry[CLOCK], entry[ORDER], key)
-        self._heap = list(cached.values())
-        heapify(self._heap)
+        heap: list[tuple[float, int, Key]] = []
+        for entry in self._seen.values():
+            entry.uses /= 2
+            if entry.item is not _GHOST_ITEM:
+                entry.item = (entry.uses + entry.clock, entry.order, entry.item[2])
+                heap.append(entry.item)
+        heapify(heap)
+        self._heap = heap
         self._fresh.clear()
 
     def score(self, key: Key) -> float:
         """``key``'s score now (cached keys and ghosts)."""
         entry = self._seen[key]
-        return float(entry[USES] + entry[CLOCK])
+        return float(entry.uses + entry.clock)
 
     def keys_in_eviction_order(self) -> list[Key]:
         """Cached keys, lowest score first, ties in the order of their last use."""
-        seen = self._seen
         return [
             key
             for _, _, key in sorted(
-                (seen[k][USES] + seen[k][CLOCK], seen[k][ORDER], k) for k in self._cached
+                (entry.uses + entry.clock, entry.order, key)
+                for key, entry in self._seen.items()
+                if entry.item is not _GHOST_ITEM
             )
         ]
 
