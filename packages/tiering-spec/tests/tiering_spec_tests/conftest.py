@@ -24,6 +24,7 @@ def make_tier(tmp_path: Path) -> Iterator[object]:
         capacity: int | None = None,
         world_size: int = 1,
         threads: int = 2,
+        eviction_policy: str = "frecency",
         **layout_extra: object,
     ) -> FileSystemTier:
         cfg = FsTierConfig(
@@ -31,6 +32,7 @@ def make_tier(tmp_path: Path) -> Iterator[object]:
             n_read_threads=threads,
             n_write_threads=threads,
             capacity_bytes=capacity,
+            eviction_policy=eviction_policy,
         )
         tier = FileSystemTier(
             cfg,

@@ -123,6 +123,21 @@ def test_bad_tier_numbers_name_their_key(tmp_path: Path, key: str, value: object
         parse_config({**BASE, "secondary_tiers": [fs(tmp_path, **{key: value})]}, tiering=True)
 
 
+def test_an_fs_tier_takes_an_eviction_policy_by_name(tmp_path: Path) -> None:
+    config = parse_config({**BASE, "secondary_tiers": [fs(tmp_path)]}, tiering=True)
+    assert config.secondary_tiers[0].eviction_policy == "frecency"
+    for name in ("lru", "arc", "frecency"):
+        tiers = {"secondary_tiers": [fs(tmp_path, eviction_policy=name)]}
+        config = parse_config({**BASE, **tiers}, tiering=True)
+        assert config.secondary_tiers[0].eviction_policy == name
+    with pytest.raises(
+        ConfigError,
+        match=r"secondary_tiers\[0\]\.eviction_policy must be one of lru, arc, frecency, got 'mru'",
+    ):
+        tiers = {"secondary_tiers": [fs(tmp_path, eviction_policy="mru")]}
+        parse_config({**BASE, **tiers}, tiering=True)
+
+
 def test_unknown_tier_key_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown key"):
         parse_config({**BASE, "secondary_tiers": [fs(tmp_path, rot_dir="x")]}, tiering=True)

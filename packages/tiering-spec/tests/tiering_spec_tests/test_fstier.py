@@ -117,6 +117,25 @@ def test_capacity_evicts_least_recently_used_first(make_tier) -> None:
     assert tier.stats.evictions == 1
 
 
+@pytest.mark.parametrize(("policy", "evicted"), [("lru", b"a"), ("arc", b"b"), ("frecency", b"b")])
+def test_the_tiers_policy_picks_what_a_full_tier_evicts(make_tier, policy, evicted) -> None:
+    """a is written, then reused by three requests, then b and c are written: LRU
+    evicts a (used longest ago) for d; ARC and frecency keep it (used again) and evict
+    b, the oldest block nobody reused."""
+    region = Region(4)
+    entry = fsformat.HEADER_SIZE + PAYLOAD
+    tier = make_tier(region, capacity=3 * entry, eviction_policy=policy)
+    write(tier, region, b"a", 0, 0)
+    for _ in range(3):
+        tier.finish_request([key_digest(b"a")], {key_digest(b"a")})
+    for i, k in enumerate([b"b", b"c", b"d"], start=1):
+        write(tier, region, k, i, i)
+    wait_for_unlinks(tier)
+    kept = {k for k in (b"a", b"b", b"c", b"d") if tier.has(key_digest(k))}
+    assert kept == {b"a", b"b", b"c", b"d"} - {evicted}
+    assert not any(os.path.exists(p) for p in tier.paths(key_digest(evicted)))
+
+
 def wait_for_unlinks(tier) -> None:
     tier.drain()
     tier.poll()

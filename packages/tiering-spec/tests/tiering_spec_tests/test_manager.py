@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvtier.blockpool import HostBlockPool
-from kvtier.tiering_spec import metrics
+from kvtier.tiering_spec import fsformat, metrics
 from kvtier.tiering_spec.fsformat import key_digest
 from kvtier.tiering_spec.manager import FRESH_STEPS, Lookup, TierManager
 
@@ -158,6 +158,28 @@ def test_a_promoted_key_outranks_keys_nobody_asked_for_since(make_tier, policy: 
     assert mgr.pool.contains(b"a") and mgr.pool.contains(b"b"), policy
     assert sum(mgr.pool.contains(k) for k in (b"x", b"y", b"z")) == 1
     mgr.pool.check_invariants()
+
+
+def test_a_full_fs_tier_drops_the_copy_of_a_block_the_host_tier_serves(make_tier) -> None:
+    """Requests reuse h from the host tier; a, b and c are stored once each. The fs tier
+    (room for 3) is told of what it served and what was stored, not of host hits, so h
+    is no more used there than the others: being the oldest, its copy goes for c."""
+    region = Region(4)
+    tier = make_tier(region, capacity=3 * (fsformat.HEADER_SIZE + PAYLOAD))
+    mgr = TierManager(HostBlockPool(4), [tier], max_write_backlog=64)
+    store(mgr, region, [b"h"])
+    settle(mgr)  # written through: the fs tier's policy knows h
+    mgr.finish_request([b"h"], reused=())
+    for _ in range(3):
+        assert mgr.lookup(b"h") is Lookup.HIT
+        mgr.finish_request([b"h"], reused={b"h"})
+    for key in (b"a", b"b", b"c"):
+        store(mgr, region, [key])
+        settle(mgr)
+        mgr.finish_request([key], reused=())
+    assert mgr.pool.contains(b"h"), "the host tier still serves h"
+    assert not tier.has(key_digest(b"h"))
+    assert all(tier.has(key_digest(k)) for k in (b"a", b"b", b"c"))
 
 
 def test_promotion_without_host_room_is_a_miss(make_tier) -> None:

@@ -41,7 +41,7 @@ while time.monotonic() < end:
     d = key_digest(keys[i])
     if rng.random() < 0.4:
         # rewrite (also files the other process wrote): forget, write again
-        tier._index.pop(d, None)
+        tier._forget(d, None, unlink=False)
         view[block * PAYLOAD:(block + 1) * PAYLOAD] = content(i)
         if tier.submit_write(keys[i], d, block):
             writes += 1

@@ -56,6 +56,7 @@ _FS_KEYS = (
     "n_read_threads",
     "n_write_threads",
     "capacity_bytes",
+    "eviction_policy",
     "enable_kv_events",
     "locality",
     "auth_key_file",
@@ -112,6 +113,8 @@ class FsTierConfig:
         root_dir: directory the tier keeps its files in (created 0700 if missing).
         n_read_threads / n_write_threads: I/O threads for promotions / writes.
         capacity_bytes: bytes of files this engine may keep; None means no limit.
+        eviction_policy: which files go first when the tier is full (``lru``,
+            ``arc`` or ``frecency``, as for the host tier).
         enable_kv_events: publish KV events for this tier (when events are on).
         locality: "LOCAL" or "REMOTE" (reported in events).
         auth_key_file: a file of this user (mode 0600) holding the secret that
@@ -123,6 +126,7 @@ class FsTierConfig:
     n_read_threads: int = DEFAULT_IO_THREADS
     n_write_threads: int = DEFAULT_IO_THREADS
     capacity_bytes: int | None = None
+    eviction_policy: str = "frecency"
     enable_kv_events: bool = True
     locality: str = "LOCAL"
     auth_key_file: str | None = None
@@ -331,6 +335,11 @@ def parse_fs_tier(raw: Any, where: str, *, check_paths: bool = True) -> FsTierCo
     locality = str(raw.get("locality") or "LOCAL").upper()
     if locality not in LOCALITIES:
         raise ConfigError(f"{where}.locality must be one of {LOCALITIES}, got {locality!r}")
+    policy = raw.get("eviction_policy", "frecency")
+    if policy not in EVICTION_POLICIES:
+        raise ConfigError(
+            f"{where}.eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}"
+        )
     cfg = FsTierConfig(
         root_dir=root,
         n_read_threads=_int(
@@ -348,6 +357,7 @@ def parse_fs_tier(raw: Any, where: str, *, check_paths: bool = True) -> FsTierCo
         capacity_bytes=(
             _int(f"{where}.capacity_bytes", capacity, minimum=1) if capacity is not None else None
         ),
+        eviction_policy=policy,
         enable_kv_events=_bool(f"{where}.enable_kv_events", raw.get("enable_kv_events", True)),
         locality=locality,
         auth_key_file=_auth_key_file(raw, where, check_paths=check_paths),

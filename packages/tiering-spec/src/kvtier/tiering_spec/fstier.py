@@ -41,11 +41,12 @@ import queue
 import stat
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+from kvtier.blockpool.policies import make_policy
 from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig
@@ -140,11 +141,11 @@ def count_down(counts: dict[bytes, int], digest: bytes) -> None:
 
 
 class TierJobs:
-    """What every secondary tier keeps the same way: an LRU index of digests, the
-    digests being written, finished jobs for ``poll``, fault counts and KV events.
-    A subclass sets these attributes in its constructor."""
+    """What every secondary tier keeps the same way: an index of digests, the digests
+    being written, finished jobs for ``poll``, fault counts and KV events. A subclass
+    sets these attributes in its constructor, and orders its index in ``touch``."""
 
-    _index: OrderedDict[bytes, Any]
+    _index: dict[bytes, Any]
     _writing: set[bytes]
     _results: deque[FsResult]
     _inflight: int
@@ -156,10 +157,13 @@ class TierJobs:
         return digest in self._index or digest in self._writing
 
     def touch(self, digests: Sequence[bytes]) -> None:
-        index = self._index
-        for digest in reversed(digests):
-            if digest in index:
-                index.move_to_end(digest)
+        """``digests`` were used (head first); unknown ones are ignored."""
+        raise NotImplementedError
+
+    def finish_request(self, digests: Sequence[bytes], reused: Collection[bytes]) -> None:
+        """A request finished with ``digests`` (head first); those in ``reused`` it
+        loaded rather than computed."""
+        self.touch(digests)
 
     def faults(self) -> dict[str, int]:
         return dict(self._faults)
@@ -387,7 +391,12 @@ class FileSystemTier(TierJobs):
         self._free_seen: int | None = None
         self.enable_events = enable_events
         self._events: list[tuple[bool, list[bytes]]] = []
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()
+        # The files this engine may read, and the policy that picks which go first
+        # when the tier is full (sized in entries of the target capacity).
+        self._index: dict[bytes, _Entry] = {}
+        self._policy = make_policy(
+            cfg.eviction_policy, max(1, (self.capacity_bytes or 0) // self.entry_bytes)
+        )
         self._used = 0
         self._reserved = 0
         self._reading: dict[bytes, int] = {}
@@ -561,14 +570,28 @@ class FileSystemTier(TierJobs):
         self._make_room(0)
 
     def _index_found(self, digests: Iterable[bytes]) -> None:
-        """Index files found on disk as the least recently used entries, each put in
-        front of the ones before it (scheduler thread)."""
+        """Index files found on disk, oldest first: the policy sees each stored on its
+        own (a batch would be taken for one request's prefix; scheduler thread)."""
+        index, insert = self._index, self._policy.insert
         for digest in digests:
-            if digest in self._index or digest in self._writing or digest in self._unlinking:
+            if digest in index or digest in self._writing or digest in self._unlinking:
                 continue
-            self._index[digest] = _Entry(self.entry_bytes, None)
-            self._index.move_to_end(digest, last=False)
+            index[digest] = _Entry(self.entry_bytes, None)
             self._used += self.entry_bytes
+            insert([digest])
+
+    def touch(self, digests: Sequence[bytes]) -> None:
+        """``digests`` were used (head first); unknown ones are ignored."""
+        self._policy.touch(digests)
+
+    def finish_request(self, digests: Sequence[bytes], reused: Collection[bytes]) -> None:
+        """A request finished with ``digests`` (head first); those in ``reused`` it
+        loaded rather than computed (a policy without ``touch_prefix`` gets a touch)."""
+        touch_prefix = getattr(self._policy, "touch_prefix", None)
+        if touch_prefix is None:
+            self._policy.touch(digests)
+        else:
+            touch_prefix(digests, reused)
 
     def _scan(self) -> ScanReport:
         """Find the entries every rank has a file for (oldest first) and clean up: stale
@@ -670,7 +693,7 @@ class FileSystemTier(TierJobs):
         if report is None:
             return
         # Older than anything this run indexed: at the LRU end, oldest first.
-        self._index_found(reversed(report.entries))
+        self._index_found(report.entries)
         self.stats.files_indexed_at_start = len(report.entries)
         if self.capacity_is_default:
             self.capacity_bytes = self._default_capacity(len(report.entries) * self.entry_bytes)
@@ -738,7 +761,7 @@ class FileSystemTier(TierJobs):
     def _make_room(
         self, nbytes: int, protect: bytes | None = None, *, reuse: bool = False
     ) -> tuple[bool, bytes | None]:
-        """Evict least recently used entries (never ones being read) until ``nbytes``
+        """Evict the entries the policy picks (never ones being read) until ``nbytes``
         more fit. Returns (whether they fit, evicting nothing more when they cannot;
         with ``reuse``, one evicted entry whose files the caller's write takes over
         instead of creating new ones, or None). A reused digest stays in
@@ -751,15 +774,14 @@ class FileSystemTier(TierJobs):
         victims: list[bytes] = []
         need = self._used + self._reserved + nbytes - cap
         if need > 0:
-            for digest, entry in self._index.items():
-                if digest in self._reading or digest == protect:
-                    continue
-                victims.append(digest)
-                need -= entry.nbytes
-                if need <= 0:
-                    break
-            if need > 0:
+            reading = self._reading
+            chosen = self._policy.evict(
+                -(-need // self.entry_bytes),  # every entry is entry_bytes
+                lambda digest: digest not in reading and digest != protect,
+            )
+            if chosen is None:
                 return False, None
+            victims = cast("list[bytes]", chosen)  # the digests the policy was given
         removed_keys: list[bytes] = []
         reused: bytes | None = None
         for digest in victims:
@@ -780,6 +802,7 @@ class FileSystemTier(TierJobs):
     def _forget(self, digest: bytes, key: bytes | None, unlink: bool) -> None:
         entry = self._index.pop(digest, None)
         if entry is not None:
+            self._policy.remove(digest)
             self._used -= entry.nbytes
             if self.enable_events and (entry.key or key):
                 self._events.append((True, [entry.key or key]))  # type: ignore[list-item]
@@ -852,7 +875,7 @@ class FileSystemTier(TierJobs):
         if views is None:
             return False
         self._reading[digest] = self._reading.get(digest, 0) + 1
-        self._index.move_to_end(digest)
+        self._policy.touch([digest])
         self._submit(self._readers, self._read_task, key, digest, block_id, views)
         return True
 
@@ -882,6 +905,7 @@ class FileSystemTier(TierJobs):
                 if res.ok:
                     self._retried.discard(digest)
                     self._index[digest] = _Entry(self.entry_bytes, res.key)
+                    self._policy.insert([digest])
                     self._used += self.entry_bytes
                     self.stats.record(res)
                     if self.enable_events:

@@ -207,13 +207,20 @@ class TierManager:
 
     def finish_request(self, keys: Sequence[bytes], reused: Collection[bytes]) -> None:
         """A request is done with ``keys`` (all it stored or reused, head first): the
-        host tier orders them so its tail goes first (only ``reused`` count as a use),
-        and each fs tier touches them likewise."""
+        host tier orders them so its tail goes first (only ``reused`` count as a use).
+
+        Each secondary tier's policy is told of the keys the request stored and of
+        those that tier served, not of the host tier's hits: a block the host tier
+        serves gains nothing from a second copy, so a full secondary tier lets such
+        copies go first and keeps what the host tier has dropped (a tier as large as
+        the host tier with the same policy would otherwise keep the same blocks)."""
         self.pool.finish_request(keys, reused)
-        if self.fs_tiers:
-            digests = [key_digest(k) for k in keys]
-            for tier in self.fs_tiers:
-                tier.touch(digests)
+        sources = self._load_sources
+        for tier in self.fs_tiers:
+            used = [k for k in keys if k not in reused or sources.get(k) == tier.name]
+            if used:
+                digests = [key_digest(k) for k in used]
+                tier.finish_request(digests, {d for k, d in zip(used, digests) if k in reused})
 
     # ------------------------------------------------------------------ device stores
 

@@ -176,13 +176,25 @@ def _policy_settings(name: str) -> dict[str, Any]:
     return {"cache_policy_module_path": f"{cls.__module__}:{cls.__qualname__}"}
 
 
+def _fs_policy_settings(name: str) -> dict[str, Any]:
+    """The fs tier's ``eviction_policy`` key for ``name``, if the tier knows it."""
+    from kvtier.tiering_spec.config import EVICTION_POLICIES
+
+    return {"eviction_policy": name} if name in EVICTION_POLICIES else {}
+
+
 @contextlib.contextmanager
 def kvtier_manager(
-    policy: str, capacity: int, fs_capacity: int | None = None, fs_dir: str | None = None
+    policy: str,
+    capacity: int,
+    fs_capacity: int | None = None,
+    fs_dir: str | None = None,
+    fs_policy: str | None = None,
 ) -> Iterator[Any]:
     """kvtier's ``OffloadingManager`` as vLLM gets it from kvtier's spec: the host tier
     of ``capacity`` chunks with ``policy``, plus an fs tier of ``fs_capacity`` chunks of
-    real files under a temporary directory (removed afterwards)."""
+    real files under a temporary directory (removed afterwards) with ``fs_policy``
+    (default: ``policy`` where the fs tier knows it by name, else the tier's default)."""
     from kvtier.blockpool import HostRegion
     from kvtier.tiering_spec import vllm_adapter
     from kvtier.tiering_spec.fsformat import HEADER_SIZE
@@ -208,6 +220,7 @@ def kvtier_manager(
                     "capacity_bytes": fs_capacity * (HEADER_SIZE + PAYLOAD_BYTES),
                     "n_read_threads": 4,
                     "n_write_threads": 4,
+                    **_fs_policy_settings(fs_policy or policy),
                 }
             ]
             spec = vllm_adapter.TieringOffloadingSpec(_offloading_config(extra, engine_id))
@@ -347,6 +360,7 @@ def run(
     shape: ModelShape | None = None,
     fs_capacity: int | None = None,
     fs_dir: str | None = None,
+    fs_policy: str | None = None,
     trace_name: str = "trace",
     progress: bool = False,
 ) -> dict[str, Any]:
@@ -385,7 +399,7 @@ def run(
         for cap in capacities:
             label = f"{name} at {cap:,}"
             if name in kvtier_names:
-                ctx = kvtier_manager(name, cap, fs_capacity, fs_dir)
+                ctx = kvtier_manager(name, cap, fs_capacity, fs_dir, fs_policy)
             else:
                 ctx = vllm_manager(name, cap)
             with ctx as manager:
@@ -416,6 +430,7 @@ def run(
         "bytes_per_block": block_bytes,
         "model_shape": dataclasses.asdict(shape),
         "fs_capacity": fs_capacity,
+        "fs_policy": fs_policy,
         "capacities": list(capacities),
         "optimum": [o.served / total if total else 0.0 for o in opts],
         "optimum_bound": [o.bound / total if total else 0.0 for o in opts],

@@ -529,6 +529,14 @@ class StoreTier(TierJobs):
         else:
             self._results.append(FsResult("release", key, block, False, "timeout"))
 
+    def touch(self, digests: Sequence[bytes]) -> None:
+        """``digests`` were used (head first): the head ends the newest in the index
+        (which only bounds what this engine remembers; the master evicts)."""
+        index = self._index
+        for digest in reversed(digests):
+            if digest in index:
+                index.move_to_end(digest)
+
     def _remember(self, digest: bytes, key: bytes | None) -> None:
         self._index[digest] = key if key is not None else self._index.get(digest)
         self._index.move_to_end(digest)

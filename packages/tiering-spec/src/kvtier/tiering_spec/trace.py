@@ -327,6 +327,11 @@ def format_report(report: dict[str, Any]) -> str:
             )
             + (
                 f"; both for the host tier alone, the fs tier adds {report['fs_capacity']:,}"
+                + (
+                    f" (fs policy {report['fs_policy']})"
+                    if report.get("fs_policy")
+                    else " (fs policy: each row's)"
+                )
                 if report.get("fs_capacity")
                 else ""
             )
@@ -504,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
         help="add an fs tier of this many blocks behind kvtier's host tier "
         "(real files in a temporary directory)",
     )
+    p.add_argument(
+        "--fs-policy",
+        default=None,
+        help="the fs tier's eviction policy (lru, arc, frecency); default: each row's "
+        "policy where the fs tier knows it",
+    )
     p.add_argument("--fs-dir", default=None, help="where the fs tier's temporary directory goes")
     p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--layers", type=int, default=ModelShape.layers)
@@ -542,7 +553,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from kvtier.tiering_spec import replay
+    from kvtier.tiering_spec.config import EVICTION_POLICIES
 
+    if args.fs_policy is not None and args.fs_policy not in EVICTION_POLICIES:
+        p.error(
+            f"--fs-policy must be one of {', '.join(EVICTION_POLICIES)}, got {args.fs_policy!r}"
+        )
     try:
         requests = load_trace(args.trace)
     except TraceError as exc:
@@ -562,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         shape=shape,
         fs_capacity=args.fs_capacity,
         fs_dir=args.fs_dir,
+        fs_policy=args.fs_policy,
         trace_name=str(args.trace or DEFAULT_TRACE.name),
         progress=not args.no_progress,
     )
