@@ -230,6 +230,18 @@ def test_every_emitted_metric_is_declared(make_tier) -> None:
             assert len(declared[name][2]) == len(labels), name
 
 
+def test_a_store_that_finds_no_room_is_still_an_allocation_sample() -> None:
+    """vLLM's manager samples the allocation it tries before it looks for room, so its
+    histogram does not thin out exactly when the host tier is under pressure."""
+    mgr = TierManager(HostBlockPool(2), [], max_write_backlog=64)
+    plan = mgr.prepare_store([b"a", b"b"])  # stored, never completed: not evictable
+    assert plan is not None
+    assert mgr.take_allocation_sizes() == [2]
+    assert mgr.prepare_store([b"a", b"c", b"d", b"d"]) is None  # a is there; c, d are new
+    assert mgr.take_allocation_sizes() == [2]
+    mgr.complete_store([b"a", b"b"])
+
+
 def test_counters_are_emitted_as_increments() -> None:
     mgr = TierManager(HostBlockPool(2))
     em = metrics.MetricsEmitter(mgr, tiering=False)

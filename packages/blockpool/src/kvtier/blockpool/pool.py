@@ -89,6 +89,7 @@ class HostBlockPool:
         num_blocks: capacity in blocks (see ``resolve_budget``).
         eviction_policy: ``"frecency"`` (the default), ``"lru"`` or ``"arc"``.
         cache_policy_module_path: ``"pkg.module:Class"`` of a custom policy (overrides the name).
+        policy: a policy built already (overrides both), for the capacity ``num_blocks``.
         enable_events: record ``CacheEvent``s for ``take_events``.
 
     To store only keys asked for often enough, wrap the pool in a ``StoreAdmissionFilter``.
@@ -100,11 +101,14 @@ class HostBlockPool:
         *,
         eviction_policy: str = "frecency",
         cache_policy_module_path: str | None = None,
+        policy: EvictionPolicy | None = None,
         enable_events: bool = False,
     ) -> None:
         self.num_blocks = require_positive_int("num_blocks", num_blocks)
-        self.policy: EvictionPolicy = make_policy(
-            eviction_policy, self.num_blocks, cache_policy_module_path
+        self.policy: EvictionPolicy = (
+            policy
+            if policy is not None
+            else make_policy(eviction_policy, self.num_blocks, cache_policy_module_path)
         )
         self._alloc = RunAllocator(self.num_blocks)
         # key -> block for cached keys, ~block (< 0) for keys being stored: one map, so

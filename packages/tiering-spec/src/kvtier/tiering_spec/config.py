@@ -243,14 +243,14 @@ def parse_config(
     module_path = extra.get("cache_policy_module_path")
     if module_path is not None and (not isinstance(module_path, str) or not module_path):
         raise ConfigError(
-            f"cache_policy_module_path must be 'package.module:Class', got {module_path!r}"
+            "cache_policy_module_path must be 'package.module:Class' (or vLLM's 'package.module' "
+            f"with the class in eviction_policy), got {module_path!r}"
         )
     policy = extra.get("eviction_policy", "frecency")
     if module_path is None and policy not in EVICTION_POLICIES:
-        raise ConfigError(
-            f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)} (or a class given "
-            f"by cache_policy_module_path), got {policy!r}"
-        )
+        from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
+
+        resolve_vllm_policy(policy, None)  # a name vLLM's CachePolicyFactory knows, or an error
     store_threshold = _int("store_threshold", extra.get("store_threshold", 0), minimum=0)
     if tiering and store_threshold >= 2:
         raise ConfigError(

@@ -237,6 +237,16 @@ class TierManager:
             self.admission.record(keys)
             plan = self.admission.prepare_store(keys)
         if plan is None:
+            # The allocation tried is sampled whether or not room was made, as vLLM's
+            # manager does: under pressure the histogram would otherwise thin out.
+            pool, admission = self.pool, self.admission
+            wanted = {
+                k
+                for k in keys
+                if pool.block_of(k) is None and (admission is None or admission.admits(k))
+            }
+            if wanted:
+                self.counters.allocation_sizes.append(len(wanted))
             return None
         if plan.keys:
             self.counters.allocation_sizes.append(len(plan.keys))

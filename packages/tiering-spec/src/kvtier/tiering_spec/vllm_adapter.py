@@ -52,6 +52,7 @@ from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
 from kvtier.tiering_spec.manager import Lookup, SecondaryTier, TierManager
 from kvtier.tiering_spec.storetier import StoreClient, StoreTier, StoreTierSettings
+from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
 from kvtier.tiering_spec.worker import OffloadTransferWorker
 
 logger = logging.getLogger("kvtier.tiering_spec")
@@ -369,10 +370,12 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
 
     def new_pool(self) -> HostBlockPool:
         s = self.settings
+        vllm_policy = resolve_vllm_policy(s.eviction_policy, s.cache_policy_module_path)
         return HostBlockPool(
             self.num_chunks,
             eviction_policy=s.eviction_policy,
             cache_policy_module_path=s.cache_policy_module_path,
+            policy=None if vllm_policy is None else vllm_policy(self.num_chunks),
             enable_events=self.kv_events_config.enable_kv_cache_events,
         )
 
