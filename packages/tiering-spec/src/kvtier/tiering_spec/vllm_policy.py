@@ -104,6 +104,8 @@ def resolve_vllm_policy(name: str, module_path: str | None) -> PolicyFactory | N
 
     Raises ``ConfigError`` naming the key and what is allowed.
     """
+    if not module_path and name in EVICTION_POLICIES:
+        return None
     api = _vllm_policy_api()
     base = api[0] if api is not None else None
     if module_path:
@@ -131,8 +133,6 @@ def resolve_vllm_policy(name: str, module_path: str | None) -> PolicyFactory | N
             return _adapted(cls)
         if isinstance(cls, type):
             return lambda capacity: cls(capacity)
-        return None
-    if name in EVICTION_POLICIES:
         return None
     if api is not None:
         try:
