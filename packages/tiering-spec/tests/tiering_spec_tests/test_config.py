@@ -195,8 +195,8 @@ def test_a_mooncake_tier_without_a_master_says_it_is_required() -> None:
 def test_a_mooncake_tier_without_mooncakes_client_names_the_package(monkeypatch) -> None:
     import builtins
 
-    vllm_adapter = pytest.importorskip("kvtier.tiering_spec.vllm_adapter")
     from kvtier.tiering_spec.config import parse_mooncake_tier
+    from kvtier.tiering_spec.tiers import registry
 
     real = builtins.__import__
 
@@ -206,7 +206,7 @@ def test_a_mooncake_tier_without_mooncakes_client_names_the_package(monkeypatch)
         return real(name, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(builtins, "__import__", no_mooncake)
-    monkeypatch.setattr(vllm_adapter.importlib, "import_module", lambda name: no_mooncake(name))
+    monkeypatch.setattr(registry.importlib, "import_module", lambda name: no_mooncake(name))
     cfg = parse_mooncake_tier(MOONCAKE, "secondary_tiers[0]")
     with pytest.raises(ConfigError, match=r"mooncake-transfer-engine-non-cuda"):
-        vllm_adapter.mooncake_connector(cfg, "secondary_tiers[0]")
+        registry.mooncake_connector(cfg, "secondary_tiers[0]")

@@ -14,10 +14,10 @@ Guarantees:
 * a file is loaded only if its header matches this engine's layout fingerprint and
   key and its payload matches the checksum; anything else is a *fault*: counted,
   logged once per kind, treated as a miss and removed;
-* the tier keeps at most ``capacity_bytes`` of files, dropping the least recently
-  used first; unset, it is half of the filesystem's free space at start (plus what
+* the tier keeps at most ``capacity_bytes`` of files, its eviction policy choosing
+  which go first; unset, it is half of the filesystem's free space at start (plus what
   this fingerprint already holds), logged. A write that finds the disk full evicts
-  least recently used entries, lowers the capacity to what is held, and is retried
+  the policy's first entries, lowers the capacity to what is held, and is retried
   once;
 * files of an earlier run with the same fingerprint are indexed by a background scan
   (the engine starts at once); the scan removes stale temporary files, block files of
@@ -51,22 +51,17 @@ from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig
 from kvtier.tiering_spec.fsdirs import DIR_FLAGS, TierDirs
+from kvtier.tiering_spec.tiers.base import (
+    FAULT_KINDS,
+    SecondaryTier,
+    TierResult,
+    TierStats,
+    count_down,
+)
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-FAULT_KINDS = (
-    "corrupt",
-    "truncated",
-    "vanished",
-    "unreadable",
-    "disk_full",
-    "write_failed",
-    "timeout",
-    "unreachable",  # a store tier's store did not answer
-    "foreign",  # a file this tier did not write: another owner, a link, no regular file
-    "unauthenticated",  # no valid MAC where a key is configured (auth_key_file)
-)
 # Faults whose file is removed at once: damaged, or not this tier's.
 _REMOVED_FAULTS = ("corrupt", "truncated", "foreign", "unauthenticated")
 _STALE_TMP_S = 3600.0
@@ -84,108 +79,6 @@ _pwritev = os.pwritev
 _preadv = os.preadv
 _rename = os.rename
 _fstatvfs = os.fstatvfs
-
-
-@dataclass
-class FsResult:
-    """A finished fs job, handed to the manager by ``FileSystemTier.poll``."""
-
-    op: str  # "read" | "write"
-    key: bytes
-    block_id: int
-    ok: bool
-    fault: str | None = None
-    nbytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class FsStats:
-    """Cumulative counters of one fs tier."""
-
-    files_indexed_at_start: int = 0
-    hits: int = 0
-    queries: int = 0
-    reads: int = 0
-    read_bytes: int = 0
-    read_seconds: float = 0.0
-    writes: int = 0
-    write_bytes: int = 0
-    write_seconds: float = 0.0
-    writes_dropped: int = 0
-    evictions: int = 0
-    folders_recreated: int = 0
-    files_reused: int = 0
-    used_bytes: int = 0
-    entries: int = 0
-
-    def record(self, res: FsResult) -> None:
-        """Count a read or write that succeeded."""
-        if res.op == "write":
-            self.writes += 1
-            self.write_bytes += res.nbytes
-            self.write_seconds += res.seconds
-        else:
-            self.reads += 1
-            self.read_bytes += res.nbytes
-            self.read_seconds += res.seconds
-
-
-def count_down(counts: dict[bytes, int], digest: bytes) -> None:
-    """One job fewer for ``digest`` in a digest -> jobs map (0 removes it)."""
-    n = counts.get(digest, 0) - 1
-    if n > 0:
-        counts[digest] = n
-    else:
-        counts.pop(digest, None)
-
-
-class TierJobs:
-    """What every secondary tier keeps the same way: an index of digests, the digests
-    being written, finished jobs for ``poll``, fault counts and KV events. A subclass
-    sets these attributes in its constructor, and orders its index in ``touch``."""
-
-    _index: dict[bytes, Any]
-    _writing: set[bytes]
-    _results: deque[FsResult]
-    _inflight: int
-    _faults: dict[str, int]
-    _events: list[tuple[bool, list[bytes]]]
-
-    def has(self, digest: bytes) -> bool:
-        """Indexed or being written (no I/O, no counters)."""
-        return digest in self._index or digest in self._writing
-
-    def touch(self, digests: Sequence[bytes]) -> None:
-        """``digests`` were used (head first); unknown ones are ignored."""
-        raise NotImplementedError
-
-    def finish_request(self, digests: Sequence[bytes], reused: Collection[bytes]) -> None:
-        """A request finished with ``digests`` (head first); those in ``reused`` it
-        loaded rather than computed."""
-        self.touch(digests)
-
-    def faults(self) -> dict[str, int]:
-        return dict(self._faults)
-
-    def take_events(self) -> list[tuple[bool, list[bytes]]]:
-        """(removed, keys) pairs since the last call (empty unless events are enabled)."""
-        events, self._events = self._events, []
-        return events
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Block until every submitted job finished (then ``poll`` collects them), or
-        ``timeout`` seconds passed: then False, and a ``timeout`` fault is counted."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._inflight - len(self._results) > 0:
-            if deadline is not None and time.monotonic() > deadline:
-                self._timed_out(f"{self._inflight - len(self._results)} job(s) still running")
-                return False
-            time.sleep(0.001)
-        return True
-
-    def _timed_out(self, what: str) -> None:
-        self._faults["timeout"] += 1
 
 
 class _Entry:
@@ -311,7 +204,7 @@ def _remove_tree(name: str, dir_fd: int) -> None:
         pass
 
 
-class FileSystemTier(TierJobs):
+class FileSystemTier(SecondaryTier):
     """One fs tier for one engine: an index of the files it may read, and its I/O threads.
 
     Args:
@@ -404,11 +297,11 @@ class FileSystemTier(TierJobs):
         self._unlinking: dict[bytes, int] = {}
         # digest being written -> the evicted digest whose files that write takes over
         self._reusing: dict[bytes, bytes] = {}
-        self._results: deque[FsResult] = deque()
+        self._results: deque[TierResult] = deque()
         self._inflight = 0
         self._faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
         self._fault_logged: set[str] = set()
-        self.stats = FsStats()
+        self.stats = TierStats()
         self._local = threading.local()
         self._tmp_counter = 0
         self._tmp_lock = threading.Lock()
@@ -879,7 +772,7 @@ class FileSystemTier(TierJobs):
         self._submit(self._readers, self._read_task, key, digest, block_id, views)
         return True
 
-    def poll(self) -> list[FsResult]:
+    def poll(self) -> list[TierResult]:
         """Finished jobs since the last call; updates the index and counters."""
         if self._scan_result:
             self._take_scan()
@@ -887,7 +780,7 @@ class FileSystemTier(TierJobs):
             self._take_discovered()
         if self._free_seen is not None and self.capacity_bytes != self.target_capacity:
             self._regrow()
-        out: list[FsResult] = []
+        out: list[TierResult] = []
         results = self._results
         while results:
             res = results.popleft()
@@ -935,7 +828,7 @@ class FileSystemTier(TierJobs):
         target = self.target_capacity or self.entry_bytes
         return min(target, max(self.entry_bytes, self.cfg.n_write_threads * self.entry_bytes))
 
-    def _retry_on_full_disk(self, res: FsResult, digest: bytes) -> bool:
+    def _retry_on_full_disk(self, res: TierResult, digest: bytes) -> bool:
         """The disk filled up before the tier's capacity did: hold no more than this
         tier's files plus what the disk shows free (never less than :meth:`_floor`;
         logged), evict least recently used entries down to that, and write once more.
@@ -988,7 +881,7 @@ class FileSystemTier(TierJobs):
                 target,
             )
 
-    def _fault(self, kind: str, res: FsResult) -> None:
+    def _fault(self, kind: str, res: TierResult) -> None:
         self._faults[kind] = self._faults.get(kind, 0) + 1
         if kind not in self._fault_logged:
             self._fault_logged.add(kind)
@@ -1104,7 +997,7 @@ class FileSystemTier(TierJobs):
             self._remove(old_shard, old_name, leftover)
             self._note_own_change(old_shard, reuse, False)
         self._results.append(
-            FsResult(
+            TierResult(
                 "write",
                 key,
                 block_id,
@@ -1255,7 +1148,7 @@ class FileSystemTier(TierJobs):
         except Exception:
             fault = "unreadable"
         self._results.append(
-            FsResult(
+            TierResult(
                 "read",
                 key,
                 block_id,
@@ -1337,4 +1230,4 @@ class FileSystemTier(TierJobs):
             except OSError:
                 pass
         self._note_own_change(shard, digest, False)
-        self._results.append(FsResult("unlink", digest, -1, True))
+        self._results.append(TierResult("unlink", digest, -1, True))

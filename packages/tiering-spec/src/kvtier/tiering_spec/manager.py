@@ -35,11 +35,7 @@ from kvtier.blockpool import (
     StoreAdmissionFilter,
 )
 from kvtier.tiering_spec.fsformat import key_digest
-from kvtier.tiering_spec.fstier import FileSystemTier
-from kvtier.tiering_spec.storetier import StoreTier
-
-# A tier behind the host tier: files (fs) or objects in a shared store (mooncake).
-SecondaryTier = FileSystemTier | StoreTier
+from kvtier.tiering_spec.tiers.base import SecondaryTier
 
 logger = logging.getLogger("kvtier.tiering_spec")
 

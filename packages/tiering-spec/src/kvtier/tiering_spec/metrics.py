@@ -12,8 +12,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 from kvtier.blockpool import ALLOCATION_BUCKETS
-from kvtier.tiering_spec.fstier import FAULT_KINDS
 from kvtier.tiering_spec.manager import TierManager
+from kvtier.tiering_spec.tiers.base import FAULT_KINDS
 
 CPU_CACHE_USAGE_PERC = "vllm:kv_offload_cpu_cache_usage_perc"
 CPU_CACHE_WRITE_USAGE_PERC = "vllm:kv_offload_cpu_cache_write_usage_perc"

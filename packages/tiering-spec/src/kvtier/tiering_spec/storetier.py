@@ -56,7 +56,13 @@ from functools import partial
 from typing import Any, Protocol
 
 from kvtier.tiering_spec import fsformat
-from kvtier.tiering_spec.fstier import FAULT_KINDS, FsResult, FsStats, TierJobs, count_down
+from kvtier.tiering_spec.tiers.base import (
+    FAULT_KINDS,
+    SecondaryTier,
+    TierResult,
+    TierStats,
+    count_down,
+)
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -148,7 +154,7 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-class StoreTier(TierJobs):
+class StoreTier(SecondaryTier):
     """One store tier for one engine.
 
     Args:
@@ -200,7 +206,7 @@ class StoreTier(TierJobs):
         self._headers_view = memoryview(self._headers)
         self._headers_addr = _address(self._headers_view)
 
-        self.stats = FsStats()
+        self.stats = TierStats()
         self._faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
         self._fault_logged: set[str] = set()
         self._index: OrderedDict[bytes, bytes | None] = OrderedDict()  # digest -> key
@@ -217,7 +223,7 @@ class StoreTier(TierJobs):
         self._started = time.monotonic()
         self._connect_overdue = False
         # I/O thread results and probe answers, taken in by poll() (scheduler thread).
-        self._results: deque[FsResult] = deque()
+        self._results: deque[TierResult] = deque()
         self._answers: deque[tuple[bytes, bool]] = deque()
         # Outcomes of store calls in order: (None, "") for a success, else (fault, why).
         self._outcomes: deque[tuple[str | None, str]] = deque()
@@ -309,9 +315,9 @@ class StoreTier(TierJobs):
                 continue
             op, key, _digest, block = item
             self._unfinished -= 1
-            self._results.append(FsResult(op, key, block, False, "timeout"))
+            self._results.append(TierResult(op, key, block, False, "timeout"))
             if op == "read":
-                self._results.append(FsResult("release", key, block, False, "timeout"))
+                self._results.append(TierResult("release", key, block, False, "timeout"))
 
     def _connect_loop(self) -> None:
         """Connect, then register the host regions once they are mapped. Registering
@@ -432,7 +438,7 @@ class StoreTier(TierJobs):
         self._jobs.put(("read", key, digest, block_id))
         return True
 
-    def poll(self) -> list[FsResult]:
+    def poll(self) -> list[TierResult]:
         """Finished jobs and probe answers since the last call (scheduler thread).
 
         Abandons store calls past their deadline first. Results are ``"read"`` and
@@ -457,7 +463,7 @@ class StoreTier(TierJobs):
                 self._absent[digest] = now + NEGATIVE_TTL_S
         if len(self._absent) > MAX_INDEX_ENTRIES:
             self._absent = {d: t for d, t in self._absent.items() if t > now}
-        out: list[FsResult] = []
+        out: list[TierResult] = []
         while self._results:
             res = self._results.popleft()
             if res.op == "release":
@@ -508,7 +514,7 @@ class StoreTier(TierJobs):
                             continue
                         started = op == "write" or call.running in ("read", "remove")
                         if op == "read":
-                            self._results.append(FsResult("read", key, block, False, "timeout"))
+                            self._results.append(TierResult("read", key, block, False, "timeout"))
                             if not started:
                                 self._release(call, i)
                         else:
@@ -525,9 +531,9 @@ class StoreTier(TierJobs):
         self._unfinished -= 1
         if op == "write":
             self._parked -= 1  # parked when abandoned
-            self._results.append(FsResult("write", key, block, False, "timeout"))
+            self._results.append(TierResult("write", key, block, False, "timeout"))
         else:
-            self._results.append(FsResult("release", key, block, False, "timeout"))
+            self._results.append(TierResult("release", key, block, False, "timeout"))
 
     def touch(self, digests: Sequence[bytes]) -> None:
         """``digests`` were used (head first): the head ends the newest in the index
@@ -548,7 +554,7 @@ class StoreTier(TierJobs):
         if self.cfg.enable_kv_events and (known or key):
             self._events.append((True, [known or key]))  # type: ignore[list-item]
 
-    def _fault(self, kind: str, res: FsResult) -> None:
+    def _fault(self, kind: str, res: TierResult) -> None:
         self._faults[kind] = self._faults.get(kind, 0) + 1
         if kind not in self._fault_logged:
             self._fault_logged.add(kind)
@@ -769,7 +775,7 @@ class StoreTier(TierJobs):
                 call, op, lambda: client.batch_get_into_multi_buffers(keys, ptrs, sizes), len(keys)
             )
         seconds = (time.perf_counter() - t0) / max(1, len(batch))
-        results: list[FsResult] = []
+        results: list[TierResult] = []
         corrupt: list[str] = []
         late = call.abandoned  # read without the lock: rechecked below
         for i, (_, key, digest, block) in enumerate(batch):
@@ -783,7 +789,7 @@ class StoreTier(TierJobs):
                 if fault in ("corrupt", "unauthenticated"):  # so no engine tries it again
                     corrupt += self.object_keys(digest)
             results.append(
-                FsResult(
+                TierResult(
                     op,
                     key,
                     block,
@@ -804,10 +810,12 @@ class StoreTier(TierJobs):
                     self._results.append(res)
                 elif op == "write":  # returned late: counted, never trusted
                     self._parked -= 1
-                    self._results.append(FsResult("write", res.key, res.block_id, False, "timeout"))
+                    self._results.append(
+                        TierResult("write", res.key, res.block_id, False, "timeout")
+                    )
                 else:  # the block was reported failed; the manager may reuse it now
                     self._results.append(
-                        FsResult("release", res.key, res.block_id, False, "timeout")
+                        TierResult("release", res.key, res.block_id, False, "timeout")
                     )
         if corrupt and not call.abandoned:
             self._store_call(

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib
 import logging
 import os
 import re
 import secrets
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -38,20 +37,18 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from kvtier.blockpool import HostBlockPool, HostRegion, resolve_budget, round_up
 from kvtier.tiering_spec import metrics as m
 from kvtier.tiering_spec import vllm_compat as compat
-from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.config import (
     ConfigError,
     FsTierConfig,
-    MooncakeTierConfig,
     OffloadConfig,
     parse_config,
 )
 from kvtier.tiering_spec.fsdirs import make_private_dirs
 from kvtier.tiering_spec.fsformat import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
-from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
-from kvtier.tiering_spec.manager import Lookup, SecondaryTier, TierManager
-from kvtier.tiering_spec.storetier import StoreClient, StoreTier, StoreTierSettings
+from kvtier.tiering_spec.manager import Lookup, TierManager
+from kvtier.tiering_spec.tiers.base import SecondaryTier
+from kvtier.tiering_spec.tiers.registry import TierSite, build_tier
 from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
 from kvtier.tiering_spec.worker import OffloadTransferWorker
 
@@ -526,6 +523,7 @@ class TieringOffloadingSpec(_KvtierSpec):
                     state["views"] = [r.tensor.numpy().data.cast("B") for r in regions]
                 return state["views"]
 
+        site = TierSite(layouts, payload, views, persistent)
         tiers: list[SecondaryTier] = []
         seen: dict[str, int] = {}
         try:
@@ -533,77 +531,12 @@ class TieringOffloadingSpec(_KvtierSpec):
                 n = seen[cfg.type] = seen.get(cfg.type, -1) + 1
                 name = cfg.type if n == 0 else f"{cfg.type}{n}"
                 events = cfg.enable_kv_events and self.kv_events_config.enable_kv_cache_events
-                if isinstance(cfg, MooncakeTierConfig):
-                    tiers.append(
-                        StoreTier(
-                            mooncake_connector(cfg, f"secondary_tiers[{i}]"),
-                            layouts,
-                            payload,
-                            views,
-                            StoreTierSettings(
-                                name,
-                                cfg.locality,
-                                events,
-                                auth_key=(
-                                    load_auth_key(
-                                        cfg.auth_key_file, f"secondary_tiers[{i}].auth_key_file"
-                                    )
-                                    if cfg.auth_key_file
-                                    else None
-                                ),
-                            ),
-                        )
-                    )
-                    continue
-                tiers.append(
-                    FileSystemTier(
-                        cfg,
-                        layouts,
-                        payload,
-                        views,
-                        name=name,
-                        enable_events=events,
-                        ephemeral=not persistent,
-                    )
-                )
+                tiers.append(build_tier(cfg, f"secondary_tiers[{i}]", name, events, site))
         except Exception:
             for t in tiers:
                 t.shutdown()
             raise
         return tiers
-
-
-def mooncake_connector(cfg: MooncakeTierConfig, where: str) -> Callable[[], StoreClient]:
-    """A function that connects a Mooncake Store client as ``cfg`` says. Raises
-    ``ConfigError`` at once when Mooncake's client is not installed."""
-    try:
-        store_cls = importlib.import_module("mooncake.store").MooncakeDistributedStore
-    except ImportError as exc:
-        raise ConfigError(
-            f"{where}.type 'mooncake' needs Mooncake's store client, which did not import "
-            f"({exc}): pip install mooncake-transfer-engine (CUDA), "
-            "mooncake-transfer-engine-npu (Ascend) or mooncake-transfer-engine-non-cuda "
-            "(CPU only); it also needs libibverbs (Debian: apt-get install libibverbs1)"
-        ) from None
-
-    def connect() -> StoreClient:
-        store = store_cls()
-        rc = store.setup(
-            cfg.local_hostname,
-            cfg.metadata_server,
-            cfg.global_segment_size,
-            cfg.local_buffer_size,
-            cfg.protocol,
-            cfg.device_name,
-            cfg.master_server_address,
-        )
-        if rc != 0:
-            raise ConnectionError(
-                f"Mooncake Store setup with master {cfg.master_server_address} returned {rc}"
-            )
-        return cast(StoreClient, store)
-
-    return connect
 
 
 class _RequestReuse:
@@ -820,7 +753,7 @@ class KvtierOffloadingManager(OffloadingManager):
         for tier in self.core.fs_tiers:
             for removed, keys in tier.take_events():
                 yield compat.offloading_event(
-                    list(keys), removed, tier=tier.name, locality=tier.cfg.locality
+                    list(keys), removed, tier=tier.name, locality=tier.locality
                 )
 
     def on_schedule_end(self, context: Any = None) -> None:

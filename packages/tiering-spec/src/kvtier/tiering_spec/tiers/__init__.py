@@ -1,0 +1,15 @@
+"""The tiers behind the host tier, as one family: :class:`SecondaryTier` (what the
+manager calls), :class:`TierResult` and :class:`TierStats`, and the builders by
+``type`` in :mod:`kvtier.tiering_spec.tiers.registry`. The fs tier lives in
+:mod:`kvtier.tiering_spec.fstier`, the Mooncake Store tier in
+:mod:`kvtier.tiering_spec.storetier`."""
+
+from kvtier.tiering_spec.tiers.base import (
+    FAULT_KINDS,
+    SecondaryTier,
+    TierResult,
+    TierStats,
+    count_down,
+)
+
+__all__ = ["FAULT_KINDS", "SecondaryTier", "TierResult", "TierStats", "count_down"]

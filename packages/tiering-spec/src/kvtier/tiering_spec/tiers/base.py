@@ -1,0 +1,172 @@
+"""What every secondary tier shares: the interface the manager calls, the result of a
+job, the counters, and the kinds of fault a tier counts."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+FAULT_KINDS = (
+    "corrupt",
+    "truncated",
+    "vanished",
+    "unreadable",
+    "disk_full",
+    "write_failed",
+    "timeout",
+    "unreachable",  # a store tier's store did not answer
+    "foreign",  # a file this tier did not write: another owner, a link, no regular file
+    "unauthenticated",  # no valid MAC where a key is configured (auth_key_file)
+)
+"""Fault kinds every tier counts (``vllm:kvtier_fs_faults{tier,kind}``)."""
+
+
+@dataclass
+class TierResult:
+    """A finished job of a secondary tier, handed to the manager by the tier's ``poll``."""
+
+    op: str  # "read" | "write"
+    key: bytes
+    block_id: int
+    ok: bool
+    fault: str | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class TierStats:
+    """Cumulative counters of one secondary tier."""
+
+    files_indexed_at_start: int = 0
+    hits: int = 0
+    queries: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    writes: int = 0
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    writes_dropped: int = 0
+    evictions: int = 0
+    folders_recreated: int = 0
+    files_reused: int = 0
+    used_bytes: int = 0
+    entries: int = 0
+
+    def record(self, res: TierResult) -> None:
+        """Count a read or write that succeeded."""
+        if res.op == "write":
+            self.writes += 1
+            self.write_bytes += res.nbytes
+            self.write_seconds += res.seconds
+        else:
+            self.reads += 1
+            self.read_bytes += res.nbytes
+            self.read_seconds += res.seconds
+
+
+def count_down(counts: dict[bytes, int], digest: bytes) -> None:
+    """One job fewer for ``digest`` in a digest -> jobs map (0 removes it)."""
+    n = counts.get(digest, 0) - 1
+    if n > 0:
+        counts[digest] = n
+    else:
+        counts.pop(digest, None)
+
+
+class SecondaryTier(ABC):
+    """A tier behind the host tier: what the manager calls, and what every such tier
+    keeps the same way (an index of digests, the digests being written, finished jobs
+    for ``poll``, fault counts and KV events). A tier sets these attributes in its
+    constructor; ``name`` labels it in metrics and logs.
+
+    A lookup (``contains``) answers from memory: True, False, or None while the tier
+    is still asking (a store tier asks its store in the background). ``submit_read``
+    and ``submit_write`` start a job on a host block and say whether they did; its
+    :class:`TierResult` comes back from a later ``poll``.
+    """
+
+    name: str
+    cfg: Any  # the tier's settings; ``cfg.locality`` is reported in KV events
+    stats: TierStats
+    _index: dict[bytes, Any]
+    _writing: set[bytes]
+    _results: deque[TierResult]
+    _inflight: int
+    _faults: dict[str, int]
+    _events: list[tuple[bool, list[bytes]]]
+
+    @abstractmethod
+    def contains(self, digest: bytes) -> bool | None:
+        """Whether the tier holds ``digest``; None: not known yet, ask again."""
+
+    @abstractmethod
+    def submit_write(self, key: bytes, digest: bytes, block_id: int) -> bool:
+        """Start writing host block ``block_id`` as ``key``; False if not started."""
+
+    @abstractmethod
+    def submit_read(self, key: bytes, digest: bytes, block_id: int) -> bool:
+        """Start reading ``key`` into host block ``block_id``; False if not started."""
+
+    @abstractmethod
+    def poll(self) -> list[TierResult]:
+        """Jobs finished since the last call; the tier's index and counters follow."""
+
+    @abstractmethod
+    def touch(self, digests: Sequence[bytes]) -> None:
+        """``digests`` were used (head first); unknown ones are ignored."""
+
+    @abstractmethod
+    def shutdown(self) -> bool:
+        """Stop the tier's threads; False if some did not stop in time."""
+
+    @property
+    @abstractmethod
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet polled."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes the tier holds for this engine."""
+
+    @property
+    def locality(self) -> str:
+        """``LOCAL`` or ``REMOTE``, as KV events report the tier."""
+        return str(self.cfg.locality)
+
+    def has(self, digest: bytes) -> bool:
+        """Indexed or being written (no I/O, no counters)."""
+        return digest in self._index or digest in self._writing
+
+    def finish_request(self, digests: Sequence[bytes], reused: Collection[bytes]) -> None:
+        """A request finished with ``digests`` (head first); those in ``reused`` it
+        loaded rather than computed."""
+        self.touch(digests)
+
+    def faults(self) -> dict[str, int]:
+        return dict(self._faults)
+
+    def take_events(self) -> list[tuple[bool, list[bytes]]]:
+        """(removed, keys) pairs since the last call (empty unless events are enabled)."""
+        events, self._events = self._events, []
+        return events
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until every submitted job finished (then ``poll`` collects them), or
+        ``timeout`` seconds passed: then False, and a ``timeout`` fault is counted."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._inflight - len(self._results) > 0:
+            if deadline is not None and time.monotonic() > deadline:
+                self._timed_out(f"{self._inflight - len(self._results)} job(s) still running")
+                return False
+            time.sleep(0.001)
+        return True
+
+    def _timed_out(self, what: str) -> None:
+        self._faults["timeout"] += 1
