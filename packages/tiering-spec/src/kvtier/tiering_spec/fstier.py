@@ -44,9 +44,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-from kvtier.blockpool.policies import make_policy
 from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig
@@ -58,6 +57,7 @@ from kvtier.tiering_spec.tiers.base import (
     TierStats,
     count_down,
 )
+from kvtier.tiering_spec.tiers.fs_index import FsIndex
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -79,14 +79,6 @@ _pwritev = os.pwritev
 _preadv = os.preadv
 _rename = os.rename
 _fstatvfs = os.fstatvfs
-
-
-class _Entry:
-    __slots__ = ("key", "nbytes")
-
-    def __init__(self, nbytes: int, key: bytes | None) -> None:
-        self.nbytes = nbytes
-        self.key = key
 
 
 def probe_o_direct(directory: str, dir_fd: int | None = None) -> bool:
@@ -220,6 +212,8 @@ class FileSystemTier(SecondaryTier):
             identified): the tier's directories are removed at shutdown.
     """
 
+    _index: FsIndex
+
     def __init__(
         self,
         cfg: FsTierConfig,
@@ -284,14 +278,11 @@ class FileSystemTier(SecondaryTier):
         self._free_seen: int | None = None
         self.enable_events = enable_events
         self._events: list[tuple[bool, list[bytes]]] = []
-        # The files this engine may read, and the policy that picks which go first
-        # when the tier is full (sized in entries of the target capacity).
-        self._index: dict[bytes, _Entry] = {}
-        self._policy = make_policy(
-            cfg.eviction_policy, max(1, (self.capacity_bytes or 0) // self.entry_bytes)
+        # The files this engine may read, their bytes and the writes' in flight, and
+        # the policy that picks which go first (sized for the target capacity).
+        self._index = FsIndex(
+            self.entry_bytes, cfg.eviction_policy, (self.capacity_bytes or 0) // self.entry_bytes
         )
-        self._used = 0
-        self._reserved = 0
         self._reading: dict[bytes, int] = {}
         self._writing: set[bytes] = set()
         self._unlinking: dict[bytes, int] = {}
@@ -465,26 +456,20 @@ class FileSystemTier(SecondaryTier):
     def _index_found(self, digests: Iterable[bytes]) -> None:
         """Index files found on disk, oldest first: the policy sees each stored on its
         own (a batch would be taken for one request's prefix; scheduler thread)."""
-        index, insert = self._index, self._policy.insert
+        index = self._index
         for digest in digests:
             if digest in index or digest in self._writing or digest in self._unlinking:
                 continue
-            index[digest] = _Entry(self.entry_bytes, None)
-            self._used += self.entry_bytes
-            insert([digest])
+            index.add(digest, None)
 
     def touch(self, digests: Sequence[bytes]) -> None:
         """``digests`` were used (head first); unknown ones are ignored."""
-        self._policy.touch(digests)
+        self._index.touch(digests)
 
     def finish_request(self, digests: Sequence[bytes], reused: Collection[bytes]) -> None:
         """A request finished with ``digests`` (head first); those in ``reused`` it
-        loaded rather than computed (a policy without ``touch_prefix`` gets a touch)."""
-        touch_prefix = getattr(self._policy, "touch_prefix", None)
-        if touch_prefix is None:
-            self._policy.touch(digests)
-        else:
-            touch_prefix(digests, reused)
+        loaded rather than computed."""
+        self._index.finish_request(digests, reused)
 
     def _scan(self) -> ScanReport:
         """Find the entries every rank has a file for (oldest first) and clean up: stale
@@ -647,7 +632,7 @@ class FileSystemTier(SecondaryTier):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used
 
     # ----------------------------------------------------------------- capacity
 
@@ -659,27 +644,15 @@ class FileSystemTier(SecondaryTier):
         with ``reuse``, one evicted entry whose files the caller's write takes over
         instead of creating new ones, or None). A reused digest stays in
         ``_unlinking`` until that write is polled."""
-        cap = self.capacity_bytes
-        if cap is None:
-            return True, None
-        if nbytes > cap:
+        reading = self._reading
+        evicted = self._index.make_room(
+            nbytes, self.capacity_bytes, lambda digest: digest in reading or digest == protect
+        )
+        if evicted is None:
             return False, None
-        victims: list[bytes] = []
-        need = self._used + self._reserved + nbytes - cap
-        if need > 0:
-            reading = self._reading
-            chosen = self._policy.evict(
-                -(-need // self.entry_bytes),  # every entry is entry_bytes
-                lambda digest: digest not in reading and digest != protect,
-            )
-            if chosen is None:
-                return False, None
-            victims = cast("list[bytes]", chosen)  # the digests the policy was given
         removed_keys: list[bytes] = []
         reused: bytes | None = None
-        for digest in victims:
-            entry = self._index.pop(digest)
-            self._used -= entry.nbytes
+        for digest, entry in evicted:
             self.stats.evictions += 1
             if entry.key is not None:
                 removed_keys.append(entry.key)
@@ -693,12 +666,9 @@ class FileSystemTier(SecondaryTier):
         return True, reused
 
     def _forget(self, digest: bytes, key: bytes | None, unlink: bool) -> None:
-        entry = self._index.pop(digest, None)
-        if entry is not None:
-            self._policy.remove(digest)
-            self._used -= entry.nbytes
-            if self.enable_events and (entry.key or key):
-                self._events.append((True, [entry.key or key]))  # type: ignore[list-item]
+        entry = self._index.remove(digest)
+        if entry is not None and self.enable_events and (entry.key or key):
+            self._events.append((True, [entry.key or key]))  # type: ignore[list-item]
         if unlink:
             self._unlink(digest)
 
@@ -745,7 +715,7 @@ class FileSystemTier(SecondaryTier):
         if not fits:
             self.stats.writes_dropped += 1
             return False
-        self._reserved += self.entry_bytes
+        self._index.reserved += self.entry_bytes
         self._writing.add(digest)
         if reuse is not None:
             self._reusing[digest] = reuse
@@ -768,7 +738,7 @@ class FileSystemTier(SecondaryTier):
         if views is None:
             return False
         self._reading[digest] = self._reading.get(digest, 0) + 1
-        self._policy.touch([digest])
+        self._index.touch([digest])
         self._submit(self._readers, self._read_task, key, digest, block_id, views)
         return True
 
@@ -794,12 +764,10 @@ class FileSystemTier(SecondaryTier):
                 reused = self._reusing.pop(digest, None)
                 if reused is not None:
                     self._unlinked(reused)
-                self._reserved -= self.entry_bytes
+                self._index.reserved -= self.entry_bytes
                 if res.ok:
                     self._retried.discard(digest)
-                    self._index[digest] = _Entry(self.entry_bytes, res.key)
-                    self._policy.insert([digest])
-                    self._used += self.entry_bytes
+                    self._index.add(digest, res.key)
                     self.stats.record(res)
                     if self.enable_events:
                         self._events.append((False, [res.key]))
@@ -817,7 +785,7 @@ class FileSystemTier(SecondaryTier):
                     # one may be another process's, so it is only forgotten.
                     self._forget(digest, res.key, unlink=res.fault in _REMOVED_FAULTS)
             out.append(res)
-        self.stats.used_bytes = self._used
+        self.stats.used_bytes = self._index.used
         self.stats.entries = len(self._index)
         return out
 
@@ -839,7 +807,7 @@ class FileSystemTier(SecondaryTier):
             self._retried.discard(digest)
             return False
         free = self._free_seen or 0
-        lowered = max(self._floor(), self._used + free)
+        lowered = max(self._floor(), self._index.used + free)
         if self.capacity_bytes is None or self.capacity_bytes > lowered:
             logger.warning(
                 "kvtier fs tier %r: the disk is full (%d bytes free) with %d bytes of this "
@@ -847,7 +815,7 @@ class FileSystemTier(SecondaryTier):
                 "room again, least recently used files evicted",
                 self.name,
                 free,
-                self._used,
+                self._index.used,
                 self.capacity_bytes,
                 lowered,
             )
@@ -857,7 +825,7 @@ class FileSystemTier(SecondaryTier):
         self._fault("disk_full", res)
         self._retried.add(digest)
         self._writing.add(digest)
-        self._reserved += self.entry_bytes
+        self._index.reserved += self.entry_bytes
         self._submit(self._writers, self._write_task, res.key, digest, res.block_id, self._views)
         return True
 
@@ -868,7 +836,7 @@ class FileSystemTier(SecondaryTier):
         cap, target = self.capacity_bytes, self.target_capacity
         if cap is None or target is None or cap >= target:
             return
-        grown = min(target, self._used + self._reserved + free)
+        grown = min(target, self._index.used + self._index.reserved + free)
         if grown > cap:
             self.capacity_bytes = grown
             logger.info(

@@ -1,7 +1,8 @@
 """The tiers behind the host tier, as one family: :class:`SecondaryTier` (what the
 manager calls), :class:`TierResult` and :class:`TierStats`, and the builders by
 ``type`` in :mod:`kvtier.tiering_spec.tiers.registry`. The fs tier lives in
-:mod:`kvtier.tiering_spec.fstier`, the Mooncake Store tier in
+:mod:`kvtier.tiering_spec.fstier` (its index, with no I/O, in
+:mod:`kvtier.tiering_spec.tiers.fs_index`), the Mooncake Store tier in
 :mod:`kvtier.tiering_spec.storetier`."""
 
 from kvtier.tiering_spec.tiers.base import (

@@ -94,7 +94,7 @@ class SecondaryTier(ABC):
     name: str
     cfg: Any  # the tier's settings; ``cfg.locality`` is reported in KV events
     stats: TierStats
-    _index: dict[bytes, Any]
+    _index: Collection[bytes]  # what the tier holds, by digest
     _writing: set[bytes]
     _results: deque[TierResult]
     _inflight: int

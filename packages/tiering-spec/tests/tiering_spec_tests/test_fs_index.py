@@ -1,0 +1,108 @@
+"""The fs tier's index alone, driven by random operations: its bytes always add up,
+it never evicts an entry in use, a refused ``make_room`` changes nothing, and with
+``lru`` it evicts in the order a plain model of LRU gives."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvtier.tiering_spec.tiers.fs_index import FsIndex
+
+ENTRY = 10
+DIGEST = st.integers(0, 11).map(lambda i: b"d%02d" % i)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    policy = "lru"
+    capacity = 5 * ENTRY
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = FsIndex(ENTRY, self.policy, self.capacity // ENTRY)
+        self.model: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+        self.busy: set[bytes] = set()
+
+    @rule(digest=DIGEST)
+    def write(self, digest: bytes) -> None:
+        """A write: room is made for it, then it lands."""
+        if digest in self.index:
+            return
+        evicted = self.index.make_room(ENTRY, self.capacity, self.busy.__contains__)
+        if evicted is None:
+            return
+        for victim, _ in evicted:
+            self.model.pop(victim)
+        self.index.add(digest, digest)
+        self.model[digest] = None
+
+    @rule(digest=DIGEST)
+    def use(self, digest: bytes) -> None:
+        self.index.touch([digest])
+        if digest in self.model:
+            self.model.move_to_end(digest)
+
+    @rule(digest=DIGEST)
+    def forget(self, digest: bytes) -> None:
+        entry = self.index.remove(digest)
+        assert (entry is not None) == (digest in self.model)
+        self.model.pop(digest, None)
+
+    @rule(digest=DIGEST)
+    def start_reading(self, digest: bytes) -> None:
+        self.busy.add(digest)
+
+    @precondition(lambda self: self.busy)
+    @rule(data=st.data())
+    def stop_reading(self, data: st.DataObject) -> None:
+        self.busy.discard(data.draw(st.sampled_from(sorted(self.busy))))
+
+    @rule(n=st.integers(0, 3))
+    def make_room(self, n: int) -> None:
+        """Room for ``n`` entries, as a full disk or a lowered capacity asks."""
+        before = (self.index.used, set(self.index))
+        evicted = self.index.make_room(n * ENTRY, self.capacity, self.busy.__contains__)
+        if evicted is None:
+            assert (self.index.used, set(self.index)) == before, "a refusal changed the index"
+            idle = [d for d in self.model if d not in self.busy]
+            assert (len(self.model) - len(idle) + n) * ENTRY > self.capacity, "room was there"
+            return
+        victims = [d for d, _ in evicted]
+        assert not set(victims) & self.busy, "an entry in use was evicted"
+        assert self.index.used + n * ENTRY <= self.capacity
+        if self.policy == "lru":
+            expected = [d for d in self.model if d not in self.busy][: len(victims)]
+            assert victims == expected, "not the least recently used"
+        for victim in victims:
+            self.model.pop(victim)
+
+    @invariant()
+    def bytes_add_up(self) -> None:
+        assert set(self.index) == set(self.model)
+        assert self.index.used == ENTRY * len(self.model)
+        assert self.index.used <= self.capacity
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "frecency"])
+def test_the_index_keeps_its_bytes_and_spares_what_is_in_use(policy: str) -> None:
+    machine = type(f"IndexMachine_{policy}", (IndexMachine,), {"policy": policy})
+    run_state_machine_as_test(
+        machine, settings=settings(max_examples=150, stateful_step_count=40, deadline=None)
+    )
+
+
+def test_no_capacity_needs_no_room() -> None:
+    index = FsIndex(ENTRY, "frecency", 1)
+    index.add(b"a", None)
+    assert index.make_room(100 * ENTRY, None, lambda d: False) == []
+    assert index.make_room(ENTRY + 1, ENTRY, lambda d: False) is None, "larger than the tier"
