@@ -230,6 +230,33 @@ def test_every_emitted_metric_is_declared(make_tier) -> None:
             assert len(declared[name][2]) == len(labels), name
 
 
+def test_tier_metrics_keep_their_fs_names_as_aliases(make_tier) -> None:
+    """vllm:kvtier_tier_* cover every secondary tier; the vllm:kvtier_fs_* names they
+    had before are emitted beside them with the same values, for one more release."""
+    region = Region(1)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(1), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a"])
+    settle(mgr)
+    store(mgr, region, [b"b"])  # a now lives in the fs tier only
+    settle(mgr)
+    [path] = tier.paths(key_digest(b"a"))
+    with open(path, "r+b") as f:
+        f.seek(5000)
+        f.write(b"\x00garbage")
+    assert mgr.lookup(b"a") is Lookup.HIT_PENDING
+    settle(mgr)
+    emitted = {(n, lab): v for _, n, v, lab in metrics.MetricsEmitter(mgr, tiering=True).collect()}
+    declared = metrics.metric_table({}, tiering=True)
+    for name, old in metrics.DEPRECATED_ALIASES.items():
+        assert name in declared and old in declared
+        pairs = [(lab, v) for (n, lab), v in emitted.items() if n == name]
+        assert pairs, name
+        for lab, value in pairs:
+            assert emitted[(old, lab)] == value, (old, lab)
+    assert emitted[(metrics.TIER_FAULTS, (tier.name, "corrupt"))] == 1
+
+
 def test_a_store_that_finds_no_room_is_still_an_allocation_sample() -> None:
     """vLLM's manager samples the allocation it tries before it looks for room, so its
     histogram does not thin out exactly when the host tier is under pressure."""

@@ -38,9 +38,19 @@ ACTIVE_CASCADE_JOBS = "vllm:kv_offload_tiering_active_cascade_jobs"
 PRIMARY_WRITE_USAGE_PERC = "vllm:kv_offload_tiering_primary_write_usage_perc"
 PRIMARY_READ_USAGE_PERC = "vllm:kv_offload_tiering_primary_read_usage_perc"
 STORES_DROPPED = "vllm:kv_offload_tiering_backpressure_stores_dropped"
+TIER_FAULTS = "vllm:kvtier_tier_faults"
+TIER_USED_BYTES = "vllm:kvtier_tier_used_bytes"
+TIER_EVICTIONS = "vllm:kvtier_tier_evictions"
+# The names above before they covered every secondary tier: emitted as well, with the
+# same values, until the release after next (see the changelog).
 FS_FAULTS = "vllm:kvtier_fs_faults"
 FS_USED_BYTES = "vllm:kvtier_fs_used_bytes"
 FS_EVICTIONS = "vllm:kvtier_fs_evictions"
+DEPRECATED_ALIASES = {
+    TIER_FAULTS: FS_FAULTS,
+    TIER_USED_BYTES: FS_USED_BYTES,
+    TIER_EVICTIONS: FS_EVICTIONS,
+}
 
 
 class MetricRow(NamedTuple):
@@ -208,29 +218,35 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
                 tier,
                 None,
             ),
-            FS_FAULTS: MetricRow(
+            TIER_FAULTS: MetricRow(
                 "counter",
-                "Block files of an fs tier that failed to read or write (kind: corrupt, "
+                "Blocks of a secondary tier that failed to read or write (kind: corrupt, "
                 "truncated, vanished, unreadable, disk_full, write_failed, timeout, "
                 "unreachable, foreign: a file this engine did not write, unauthenticated: "
                 "no valid MAC); each was treated as a miss and never loaded.",
                 ("tier", "kind"),
                 None,
             ),
-            FS_USED_BYTES: MetricRow(
+            TIER_USED_BYTES: MetricRow(
                 "gauge",
-                "Bytes of block files an fs tier holds for this engine.",
+                "Bytes a secondary tier holds for this engine.",
                 tier,
                 None,
             ),
-            FS_EVICTIONS: MetricRow(
+            TIER_EVICTIONS: MetricRow(
                 "counter",
-                "Entries an fs tier removed to stay within capacity_bytes, labeled by tier.",
+                "Entries a secondary tier removed to stay within its capacity, labeled by tier.",
                 tier,
                 None,
             ),
         }
     )
+    for name, old in DEPRECATED_ALIASES.items():
+        if name in t:
+            row = t[name]
+            t[old] = row._replace(
+                documentation=f"Deprecated: the same as {name}. " + row.documentation
+            )
     return t
 
 
@@ -313,10 +329,15 @@ class MetricsEmitter:
                 self._delta(STORES_DROPPED, lab, s.writes_dropped + c.writes_dropped),
                 lab,
             )
-            yield "counter", FS_EVICTIONS, self._delta(FS_EVICTIONS, lab, s.evictions), lab
+            evicted = self._delta(TIER_EVICTIONS, lab, s.evictions)
+            yield "counter", TIER_EVICTIONS, evicted, lab
+            yield "counter", FS_EVICTIONS, evicted, lab
             for kind in FAULT_KINDS:
                 fl = (tier.name, kind)
-                yield "counter", FS_FAULTS, self._delta(FS_FAULTS, fl, faults[kind]), fl
+                failed = self._delta(TIER_FAULTS, fl, faults[kind])
+                yield "counter", TIER_FAULTS, failed, fl
+                yield "counter", FS_FAULTS, failed, fl
+            yield "gauge", TIER_USED_BYTES, tier.used_bytes, lab
             yield "gauge", FS_USED_BYTES, tier.used_bytes, lab
             yield "gauge", ACTIVE_PROMOTION_JOBS, core.promoting_blocks, lab
             yield "gauge", ACTIVE_CASCADE_JOBS, core.write_pinned_blocks, lab
