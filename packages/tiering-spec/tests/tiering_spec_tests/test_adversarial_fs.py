@@ -327,10 +327,7 @@ def test_after_a_restart_files_on_disk_are_served_without_any_write(
 
 def _pending(tier: FileSystemTier) -> int:
     """Digests the background thread found and the scheduler has not taken in."""
-    found = getattr(tier, "_found", None)
-    if found is not None:
-        return len(found)
-    return sum(len(s) for s in getattr(tier, "_discovered", ()))  # before the fix
+    return tier._disk.waiting
 
 
 def test_discovery_holds_at_most_the_new_files_while_nobody_polls(

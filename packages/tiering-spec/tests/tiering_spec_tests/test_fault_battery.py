@@ -42,6 +42,7 @@ from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig, parse_config
 from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, model_files
+from kvtier.tiering_spec.tiers import fs_scan
 
 from .tier_support import wait_results
 
@@ -317,7 +318,6 @@ def test_the_restart_scan_removes_damaged_and_stale_files(tmp_path: Path) -> Non
 
 
 def test_the_restart_scan_removes_old_fingerprints_past_the_age_limit(tmp_path: Path) -> None:
-    from kvtier.tiering_spec import fstier
 
     root = tmp_path / "fs"
     make_fs_tier(root).shutdown()
@@ -326,7 +326,7 @@ def test_the_restart_scan_removes_old_fingerprints_past_the_age_limit(tmp_path: 
     for d in (old, recent):
         (d / "3").mkdir(parents=True)
         (d / "3" / "x.kv").write_bytes(b"x")
-    past = time.time() - fstier.STALE_FINGERPRINT_AGE_S - 60
+    past = time.time() - fs_scan.STALE_FINGERPRINT_AGE_S - 60
     for path in (old, old / "3"):
         os.utime(path, (past, past))
     (base / "weight-digests.json").write_text("{}")

@@ -38,18 +38,16 @@ import logging
 import mmap
 import os
 import queue
-import stat
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig
-from kvtier.tiering_spec.fsdirs import DIR_FLAGS, TierDirs
+from kvtier.tiering_spec.fsdirs import TierDirs
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
     SecondaryTier,
@@ -58,17 +56,15 @@ from kvtier.tiering_spec.tiers.base import (
     count_down,
 )
 from kvtier.tiering_spec.tiers.fs_index import FsIndex
+from kvtier.tiering_spec.tiers.fs_scan import FsScanner, foreign, own_block_file, remove_tree
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Faults whose file is removed at once: damaged, or not this tier's.
 _REMOVED_FAULTS = ("corrupt", "truncated", "foreign", "unauthenticated")
-_STALE_TMP_S = 3600.0
 # Without capacity_bytes the tier may fill this share of the free space it found.
 DEFAULT_FREE_FRACTION = 0.5
-# Fingerprint directories (other models or layouts) untouched this long are removed.
-STALE_FINGERPRINT_AGE_S = 7 * 86400.0
 # How often the background thread looks for files written by other engines.
 DISCOVER_INTERVAL_S = 1.0
 # How long shutdown waits for I/O threads (a hung mount must not hang the engine).
@@ -114,17 +110,6 @@ def probe_o_direct(directory: str, dir_fd: int | None = None) -> bool:
             pass
 
 
-@dataclass
-class ScanReport:
-    """What the start-up scan found and removed."""
-
-    files: int = 0
-    entries: list[bytes] = field(default_factory=list)
-    removed_tmp: int = 0
-    removed_bad: int = 0
-    removed_fingerprints: list[str] = field(default_factory=list)
-
-
 def _free_bytes(dir_fd: int) -> int:
     """Bytes an unprivileged writer may still put on the filesystem of the folder
     held by ``dir_fd``."""
@@ -133,67 +118,6 @@ def _free_bytes(dir_fd: int) -> int:
     except OSError:
         return 0
     return int(st.f_bavail) * int(st.f_frsize)
-
-
-def _named_entry(entry: os.DirEntry[str]) -> tuple[bytes, os.stat_result] | None:
-    """(key digest, lstat) of a directory entry named like a block file, else None."""
-    digest = fsformat.parse_file_name(entry.name)
-    if digest is None:
-        return None
-    try:
-        return digest, entry.stat(follow_symlinks=False)
-    except OSError:
-        return None
-
-
-def _is_block_file(st: os.stat_result, file_bytes: int) -> bool:
-    """A regular file (no symlink, no FIFO) of exactly a block file's size."""
-    return stat.S_ISREG(st.st_mode) and st.st_size == file_bytes
-
-
-def _foreign(st: os.stat_result) -> str | None:
-    """Why a file found under a block file's name was not written by this tier (another
-    user's, a hard link, not a regular file), or None."""
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}"
-    if st.st_nlink != 1:
-        return f"{st.st_nlink} links"
-    return None
-
-
-def _own_block_file(st: os.stat_result, file_bytes: int) -> bool:
-    """A block file this tier may index: this user's, one link, the right size."""
-    return _foreign(st) is None and st.st_size == file_bytes
-
-
-def _remove_tree(name: str, dir_fd: int) -> None:
-    """Remove folder ``name`` under ``dir_fd`` and everything in it, following no link
-    (errors ignored: what stays is tried again at the next start)."""
-    try:
-        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
-    except OSError:
-        return
-    try:
-        with os.scandir(fd) as it:
-            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        for child, is_dir in entries:
-            if is_dir:
-                _remove_tree(child, fd)
-            else:
-                try:
-                    os.unlink(child, dir_fd=fd)
-                except OSError:
-                    pass
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    try:
-        os.rmdir(name, dir_fd=dir_fd)
-    except OSError:
-        pass
 
 
 class FileSystemTier(SecondaryTier):
@@ -318,14 +242,8 @@ class FileSystemTier(SecondaryTier):
         self._scan_result: list[Any] = []
         self.scan_done = threading.Event()
         self._stop = threading.Event()
-        # What the background thread found on disk and poll() has not taken in yet: one
-        # set at most, of files not reported before.
-        self._found_lock = threading.Lock()
-        self._found: set[bytes] = set()
-        # Per shard, the entries last seen on disk (reported or this tier's own): a
-        # later look reports only what is new. At most the files on disk.
-        self._seen: list[set[bytes]] = [set() for _ in range(fsformat.NUM_SHARDS)]
-        self._shard_mtimes: dict[tuple[int, int], int] = {}
+        # The folders on disk: the start-up scan, and files other engines write.
+        self._disk = FsScanner(self.fsdirs, self.world_size, self.file_bytes, self.fingerprints)
         self._scanner = threading.Thread(
             target=self._scan_in_background, name="kvtier-fs-scan", daemon=True
         )
@@ -371,7 +289,7 @@ class FileSystemTier(SecondaryTier):
 
     def _scan_in_background(self) -> None:
         try:
-            self._scan_result.append(self._scan())
+            self._scan_result.append(self._disk.scan())
         except Exception as exc:  # a scan that fails leaves the tier empty, never broken
             logger.warning("kvtier fs tier %r: start-up scan failed (%s)", self.name, exc)
             self._scan_result.append(None)
@@ -379,78 +297,15 @@ class FileSystemTier(SecondaryTier):
             self.scan_done.set()
         while not self._stop.wait(DISCOVER_INTERVAL_S):
             try:
-                found = self._discover()
+                self._disk.discover()
                 if self.capacity_bytes != self.target_capacity:
                     self._free_seen = _free_bytes(self.fsdirs.root)
             except Exception:  # never fatal: the next round tries again
                 continue
-            if found:
-                with self._found_lock:
-                    self._found |= found
-
-    def _scandir(self, rank: int, shard: int) -> list[tuple[bytes, os.stat_result]]:
-        """(digest, lstat) of the entries named like block files in one shard folder."""
-        out = []
-        with os.scandir(self.fsdirs.shard(rank, shard)) as it:
-            for entry in it:
-                named = _named_entry(entry)
-                if named is not None:
-                    out.append(named)
-        return out
-
-    def _discover(self) -> set[bytes]:
-        """Entries on disk for every rank, in shard folders changed since the last look,
-        that were not there at that look (files other engines wrote)."""
-        found: set[bytes] = set()
-        for shard in range(fsformat.NUM_SHARDS):
-            changed = False
-            for rank in range(self.world_size):
-                try:
-                    mtime = os.fstat(self.fsdirs.shard(rank, shard)).st_mtime_ns
-                except OSError:
-                    continue
-                if self._shard_mtimes.get((rank, shard)) != mtime:
-                    self._shard_mtimes[(rank, shard)] = mtime
-                    changed = True
-            if not changed:
-                continue
-            common: set[bytes] | None = None
-            for rank in range(self.world_size):
-                try:
-                    entries = self._scandir(rank, shard)
-                    present = {d for d, st in entries if _own_block_file(st, self.file_bytes)}
-                except OSError:
-                    present = set()
-                common = present if common is None else common & present
-            common = common or set()
-            with self._found_lock:
-                found |= common - self._seen[shard]
-                self._seen[shard] = common
-        return found
-
-    def _note_own_change(self, shard: int, digest: bytes, present: bool) -> None:
-        """This tier wrote (``present``) or removed ``digest`` in a shard folder (an I/O
-        thread): the background look for other engines' files need not read the folder
-        again for that, nor report the file. A change by another engine in the same
-        instant goes unseen until the folder changes again (a miss, no harm)."""
-        with self._found_lock:
-            if present:
-                self._seen[shard].add(digest)
-            else:
-                self._seen[shard].discard(digest)
-                self._found.discard(digest)
-        for rank in range(self.world_size):
-            try:
-                mtime = os.fstat(self.fsdirs.shard(rank, shard)).st_mtime_ns
-            except OSError:
-                continue
-            self._shard_mtimes[(rank, shard)] = mtime
 
     def _take_discovered(self) -> None:
         """Index what the background thread found on disk (scheduler thread)."""
-        with self._found_lock:
-            found, self._found = self._found, set()
-        self._index_found(found)
+        self._index_found(self._disk.take_found())
         self._make_room(0)
 
     def _index_found(self, digests: Iterable[bytes]) -> None:
@@ -470,98 +325,6 @@ class FileSystemTier(SecondaryTier):
         """A request finished with ``digests`` (head first); those in ``reused`` it
         loaded rather than computed."""
         self._index.finish_request(digests, reused)
-
-    def _scan(self) -> ScanReport:
-        """Find the entries every rank has a file for (oldest first) and clean up: stale
-        temporary files, block files of the wrong size, and old fingerprints' folders.
-        Runs on the scanner thread: it touches the disk and its report, nothing else.
-        Files that are not this tier's (another owner, links) are neither indexed nor
-        removed."""
-        now = time.time()
-        report = ScanReport()
-        per_rank: list[dict[bytes, float]] = []
-        by_shard: list[set[bytes]] = [set() for _ in range(fsformat.NUM_SHARDS)]
-        for rank in range(self.world_size):
-            found: dict[bytes, float] = {}
-            for shard in range(fsformat.NUM_SHARDS):
-                fd = self.fsdirs.shard(rank, shard)
-                try:
-                    self._shard_mtimes[(rank, shard)] = os.fstat(fd).st_mtime_ns
-                    it = os.scandir(fd)
-                except OSError:
-                    continue
-                with it:
-                    for entry in it:
-                        report.files += 1
-                        if entry.name.startswith(fsformat.TMP_PREFIX):
-                            try:
-                                if now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_S:
-                                    os.unlink(entry.name, dir_fd=fd)
-                                    report.removed_tmp += 1
-                            except OSError:
-                                pass
-                            continue
-                        named = _named_entry(entry)
-                        if named is None:
-                            continue
-                        digest, st = named
-                        if _foreign(st) is not None:
-                            continue
-                        if st.st_size == self.file_bytes:
-                            found[digest] = st.st_mtime
-                            if rank == 0:
-                                by_shard[shard].add(digest)
-                        else:
-                            # A block file can only have one size here (renamed into
-                            # place whole): zero-length or another size is damage.
-                            try:
-                                os.unlink(entry.name, dir_fd=fd)
-                                report.removed_bad += 1
-                            except OSError:
-                                pass
-            per_rank.append(found)
-        common = set(per_rank[0])
-        for found in per_rank[1:]:
-            common &= set(found)
-        report.entries = sorted(common, key=per_rank[0].__getitem__)
-        with self._found_lock:
-            for shard, digests in enumerate(by_shard):
-                self._seen[shard] |= digests & common
-        report.removed_fingerprints = self._remove_old_fingerprints(now)
-        return report
-
-    def _remove_old_fingerprints(self, now: float) -> list[str]:
-        """Remove other fingerprints' folders untouched for ``STALE_FINGERPRINT_AGE_S``."""
-        base = self.fsdirs.base
-        mine = {fp.hex() for fp in self.fingerprints}
-        removed: list[str] = []
-        try:
-            with os.scandir(base) as it:
-                candidates = [e for e in it if e.name not in mine]
-        except OSError:
-            return removed
-        for entry in candidates:
-            if len(entry.name) != 32 or not entry.is_dir(  # 16-byte fingerprints, in hex
-                follow_symlinks=False
-            ):
-                continue
-            try:
-                fd = os.open(entry.name, DIR_FLAGS, dir_fd=base)
-            except OSError:
-                continue
-            try:
-                # A write renames a file into a shard folder, which updates its mtime.
-                with os.scandir(fd) as it:
-                    times = [s.stat(follow_symlinks=False).st_mtime for s in it]
-                newest = max([os.fstat(fd).st_mtime, *times])
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
-            if now - newest > STALE_FINGERPRINT_AGE_S:
-                _remove_tree(entry.name, base)
-                removed.append(entry.name)
-        return removed
 
     def _take_scan(self) -> None:
         """Index what the start-up scan found (scheduler thread; once)."""
@@ -746,7 +509,7 @@ class FileSystemTier(SecondaryTier):
         """Finished jobs since the last call; updates the index and counters."""
         if self._scan_result:
             self._take_scan()
-        if self._found:
+        if self._disk.waiting:
             self._take_discovered()
         if self._free_seen is not None and self.capacity_bytes != self.target_capacity:
             self._regrow()
@@ -897,7 +660,7 @@ class FileSystemTier(SecondaryTier):
         self._views = None
         if self.ephemeral:
             for fp in self.fingerprints:
-                _remove_tree(fp.hex(), self.fsdirs.base)
+                remove_tree(fp.hex(), self.fsdirs.base)
         if not stuck:  # a thread still in a call may yet use the descriptors
             self.fsdirs.close()
         return not stuck
@@ -959,11 +722,11 @@ class FileSystemTier(SecondaryTier):
         if fault is not None:
             self._remove(shard, name, done)
         else:
-            self._note_own_change(shard, digest, True)
+            self._disk.note_own_change(shard, digest, True)
         if reuse is not None:
             old_shard, old_name = self._where(reuse)
             self._remove(old_shard, old_name, leftover)
-            self._note_own_change(old_shard, reuse, False)
+            self._disk.note_own_change(old_shard, reuse, False)
         self._results.append(
             TierResult(
                 "write",
@@ -1000,7 +763,7 @@ class FileSystemTier(SecondaryTier):
             return None
         try:
             st = os.fstat(fd)
-            if not _own_block_file(st, self.file_bytes):
+            if not own_block_file(st, self.file_bytes):
                 raise OSError(errno.EPERM, "not this tier's block file")
             os.utime(fd)
             os.rename(old_name, tmp, src_dir_fd=src, dst_dir_fd=self.fsdirs.shard(rank, shard))
@@ -1166,7 +929,7 @@ class FileSystemTier(SecondaryTier):
             # Whoever could put a file here, only this tier's own are read: this user's,
             # a regular file with no other link.
             st = os.fstat(fd)
-            why = _foreign(st)
+            why = foreign(st)
             if why is not None:
                 raise fsformat.FormatError("foreign", why)
             want = self.file_bytes
@@ -1197,5 +960,5 @@ class FileSystemTier(SecondaryTier):
                 os.unlink(name, dir_fd=self.fsdirs.shard(rank, shard))
             except OSError:
                 pass
-        self._note_own_change(shard, digest, False)
+        self._disk.note_own_change(shard, digest, False)
         self._results.append(TierResult("unlink", digest, -1, True))
