@@ -100,13 +100,14 @@ def test_stored_blocks_are_written_through_and_promoted_back(make_tier) -> None:
     assert mgr.counters.promotions == 1
 
 
-def test_a_corrupt_file_is_a_miss_and_never_becomes_a_hit(make_tier) -> None:
+def promote_a_corrupt_file(make_tier) -> tuple[TierManager, object]:
+    """A manager whose fs tier held a, damaged on disk, and just tried to promote it."""
     region = Region(1)
     tier = make_tier(region)
     mgr = TierManager(HostBlockPool(1), [tier], max_write_backlog=64)
     store(mgr, region, [b"a"])
     settle(mgr)
-    store(mgr, region, [b"b"])
+    store(mgr, region, [b"b"])  # a now lives in the fs tier only
     settle(mgr)
     [path] = tier.paths(key_digest(b"a"))
     with open(path, "r+b") as f:
@@ -114,6 +115,11 @@ def test_a_corrupt_file_is_a_miss_and_never_becomes_a_hit(make_tier) -> None:
         f.write(b"\x00garbage")
     assert mgr.lookup(b"a") is Lookup.HIT_PENDING
     settle(mgr)
+    return mgr, tier
+
+
+def test_a_corrupt_file_is_a_miss_and_never_becomes_a_hit(make_tier) -> None:
+    mgr, tier = promote_a_corrupt_file(make_tier)
     assert mgr.lookup(b"a") is Lookup.MISS
     assert tier.faults()["corrupt"] == 1 and mgr.counters.promotion_failures == 1
     mgr.pool.check_invariants()
@@ -233,19 +239,7 @@ def test_every_emitted_metric_is_declared(make_tier) -> None:
 def test_tier_metrics_keep_their_fs_names_as_aliases(make_tier) -> None:
     """vllm:kvtier_tier_* cover every secondary tier; the vllm:kvtier_fs_* names they
     had before are emitted beside them with the same values, for one more release."""
-    region = Region(1)
-    tier = make_tier(region)
-    mgr = TierManager(HostBlockPool(1), [tier], max_write_backlog=64)
-    store(mgr, region, [b"a"])
-    settle(mgr)
-    store(mgr, region, [b"b"])  # a now lives in the fs tier only
-    settle(mgr)
-    [path] = tier.paths(key_digest(b"a"))
-    with open(path, "r+b") as f:
-        f.seek(5000)
-        f.write(b"\x00garbage")
-    assert mgr.lookup(b"a") is Lookup.HIT_PENDING
-    settle(mgr)
+    mgr, tier = promote_a_corrupt_file(make_tier)
     emitted = {(n, lab): v for _, n, v, lab in metrics.MetricsEmitter(mgr, tiering=True).collect()}
     declared = metrics.metric_table({}, tiering=True)
     for name, old in metrics.DEPRECATED_ALIASES.items():
