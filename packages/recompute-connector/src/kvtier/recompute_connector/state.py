@@ -46,7 +46,6 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvtier.blockpool import HostBlockPool
 from kvtier.recompute_connector.protocol import StepPlan, TransferJob, WorkerReport
@@ -117,6 +116,32 @@ class SharedBlock:
     writer: int = 0
     ready: bool = False
     failed: bool = False
+
+
+class SlotKind(enum.Enum):
+    """What one device block of a preempted request becomes on host."""
+
+    NULL = "null"  # no block at this position (a null block): nothing to keep
+    PRIVATE = "private"  # a host block of the request's own store job
+    SHARED = "shared"  # an entry already on host (stored for another request)
+    NEW = "new"  # a new shared entry this store writes
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One position of one KV group in a preempted request's plan."""
+
+    kind: SlotKind
+    device: int = -1  # the device block copied (PRIVATE, NEW)
+    key: tuple[int, bytes] | None = None  # (group, block hash) of a shared entry
+    entry: SharedBlock | None = None  # the entry on host (SHARED)
+
+    @staticmethod
+    def null() -> Slot:
+        return _NULL_SLOT
+
+
+_NULL_SLOT = Slot(SlotKind.NULL)
 
 
 @dataclass
@@ -263,87 +288,23 @@ class RecomputeOffloadScheduler:
             self._fallback(req_id, Fallback.UNSUPPORTED, "its KV cache is not paged attention")
             return None
         valid = run.kv_tokens if num_tokens is None else min(run.kv_tokens, num_tokens - 1)
-        # Per group and position: None (null block), a private device block, an entry
-        # already on host, or a new entry (key, device block) this store writes.
-        slots: list[list[tuple[str, Any]]] = []
-        n_private = n_new = 0
-        new_keys: set[tuple[int, bytes]] = set()
-        for g, (group, blocks) in enumerate(zip(self.groups, run.block_ids)):
-            # Clip to the blocks holding KV: speculative lookahead blocks hold none.
-            n = min(_ceil_div(run.kv_tokens, group.block_size), len(blocks))
-            row: list[tuple[str, Any]] = []
-            if group.state:
-                # The state after the last computed token lives in its block alone.
-                last = blocks[n - 1] if n == _ceil_div(run.kv_tokens, group.block_size) else None
-                if last is None or last == self.null_block_id:
-                    self._fallback(
-                        req_id, Fallback.STATE_POSITION, "its recurrent state block is gone"
-                    )
-                    return None
-                row = [("null", None)] * (n - 1) + [("private", last)]
-                n_private += 1
-                slots.append(row)
-                continue
-            hashes = block_hashes[g] if self.share_prefix and block_hashes else ()
-            for i, b in enumerate(blocks[:n]):
-                if b == self.null_block_id:
-                    row.append(("null", None))
-                    continue
-                key = (g, bytes(hashes[i])) if i < len(hashes) else None
-                if key is None or (i + 1) * group.block_size > valid:
-                    row.append(("private", b))
-                    n_private += 1
-                elif key in self.shared and not self.shared[key].failed:
-                    row.append(("shared", self.shared[key]))
-                elif key in new_keys:
-                    row.append(("private", b))  # the same hash twice in one request
-                    n_private += 1
-                else:
-                    new_keys.add(key)
-                    row.append(("new", (key, b)))
-                    n_new += 1
-            slots.append(row)
-        if n_private + n_new > self.pool.num_free:
+        planned = self._plan_slots(run, block_hashes, valid)
+        if isinstance(planned, tuple):
+            self._fallback(req_id, *planned)
+            return None
+        needed = sum(s.kind in (SlotKind.PRIVATE, SlotKind.NEW) for row in planned for s in row)
+        if needed > self.pool.num_free:
             self._fallback(
                 req_id,
                 Fallback.CAPACITY,
-                f"CPU cache free blocks are insufficient ({n_private + n_new} needed, "
+                f"CPU cache free blocks are insufficient ({needed} needed, "
                 f"{self.pool.num_free} free of {self.pool.num_blocks})",
             )
             return None
         # Private host blocks are owned by the store job, so a request's copies never mix.
         owner = next(self._jobs)
-        private = iter(self.pool.allocate_owned(owner, n_private, evict=False) or [])
-        device: list[int] = []
-        host: list[int] = []
-        entries: list[SharedBlock] = []
-        host_layout: list[list[int | None]] = []
-        for row in slots:
-            hosts: list[int | None] = []
-            for kind, value in row:
-                if kind == "null":
-                    hosts.append(None)
-                    continue
-                if kind == "shared":
-                    entry = value
-                elif kind == "new":
-                    key, b = value
-                    entry_owner = ("shared", next(self._shared_ids))
-                    (block,) = self.pool.allocate_owned(entry_owner, 1, evict=False) or [-1]
-                    entry = SharedBlock(key, entry_owner, block, writer=owner)
-                    self.shared[key] = entry
-                    device.append(b)
-                    host.append(block)
-                else:
-                    h = next(private)
-                    device.append(value)
-                    host.append(h)
-                    hosts.append(h)
-                    continue
-                entry.refs += 1
-                entries.append(entry)
-                hosts.append(entry.host)
-            host_layout.append(hosts)
+        device, host, entries, host_layout = self._take_host_blocks(planned, owner)
+        n_new = sum(s.kind is SlotKind.NEW for row in planned for s in row)
         state = PreemptedRequestState(
             req_id, Phase.STORING, run.kv_tokens, tuple(host_layout), 0, owner, shared=entries
         )
@@ -371,6 +332,87 @@ class RecomputeOffloadScheduler:
             self.pool.num_blocks,
         )
         return job
+
+    def _plan_slots(
+        self,
+        run: RunningRequest,
+        block_hashes: Sequence[Sequence[bytes]] | None,
+        valid: int,
+    ) -> list[list[Slot]] | tuple[Fallback, str]:
+        """What each of the request's blocks becomes on host, per group and position
+        (blocks holding KV only: speculative lookahead blocks hold none), or why the
+        request falls back. Only blocks whose KV is valid (``valid`` tokens) are shared."""
+        slots: list[list[Slot]] = []
+        new_keys: set[tuple[int, bytes]] = set()
+        for g, (group, blocks) in enumerate(zip(self.groups, run.block_ids)):
+            n = min(_ceil_div(run.kv_tokens, group.block_size), len(blocks))
+            if group.state:
+                # The state after the last computed token lives in its block alone.
+                last = blocks[n - 1] if n == _ceil_div(run.kv_tokens, group.block_size) else None
+                if last is None or last == self.null_block_id:
+                    return Fallback.STATE_POSITION, "its recurrent state block is gone"
+                slots.append([Slot.null()] * (n - 1) + [Slot(SlotKind.PRIVATE, last)])
+                continue
+            hashes = block_hashes[g] if self.share_prefix and block_hashes else ()
+            row: list[Slot] = []
+            for i, b in enumerate(blocks[:n]):
+                if b == self.null_block_id:
+                    row.append(Slot.null())
+                    continue
+                key = (g, bytes(hashes[i])) if i < len(hashes) else None
+                if key is None or (i + 1) * group.block_size > valid or key in new_keys:
+                    # Unshareable, not valid KV yet, or the same hash twice in one request.
+                    row.append(Slot(SlotKind.PRIVATE, b))
+                elif key in self.shared and not self.shared[key].failed:
+                    row.append(Slot(SlotKind.SHARED, b, key, self.shared[key]))
+                else:
+                    new_keys.add(key)
+                    row.append(Slot(SlotKind.NEW, b, key))
+            slots.append(row)
+        return slots
+
+    def _take_host_blocks(
+        self, planned: list[list[Slot]], owner: int
+    ) -> tuple[list[int], list[int], list[SharedBlock], list[list[int | None]]]:
+        """Allocate the host blocks ``planned`` needs (the caller checked there is room):
+        private ones owned by the store job ``owner``, a shared entry per new key.
+
+        Returns the device and host blocks to copy (in step), the shared entries the
+        request holds (a reference each), and the host block of each slot per group."""
+        n_private = sum(s.kind is SlotKind.PRIVATE for row in planned for s in row)
+        private = iter(self.pool.allocate_owned(owner, n_private, evict=False) or [])
+        device: list[int] = []
+        host: list[int] = []
+        entries: list[SharedBlock] = []
+        host_layout: list[list[int | None]] = []
+        for row in planned:
+            hosts: list[int | None] = []
+            for slot in row:
+                if slot.kind is SlotKind.NULL:
+                    hosts.append(None)
+                    continue
+                if slot.kind is SlotKind.PRIVATE:
+                    h = next(private)
+                    device.append(slot.device)
+                    host.append(h)
+                    hosts.append(h)
+                    continue
+                if slot.kind is SlotKind.NEW:
+                    assert slot.key is not None
+                    entry_owner = ("shared", next(self._shared_ids))
+                    (block,) = self.pool.allocate_owned(entry_owner, 1, evict=False) or [-1]
+                    entry = SharedBlock(slot.key, entry_owner, block, writer=owner)
+                    self.shared[slot.key] = entry
+                    device.append(slot.device)
+                    host.append(block)
+                else:
+                    assert slot.entry is not None
+                    entry = slot.entry
+                entry.refs += 1
+                entries.append(entry)
+                hosts.append(entry.host)
+            host_layout.append(hosts)
+        return device, host, entries, host_layout
 
     def _settle(self, state: PreemptedRequestState) -> None:
         """A stored state becomes restorable once every block it shares is stored."""
