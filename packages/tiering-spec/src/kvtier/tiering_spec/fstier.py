@@ -619,7 +619,7 @@ class FileSystemTier(SecondaryTier):
             logger.warning(
                 "kvtier fs tier %r: %s %s of block file for key %s failed (%s); treated as a "
                 "miss, never loaded. Further faults of this kind are only counted "
-                "(metric vllm:kvtier_fs_faults{kind=%r}).",
+                "(metric vllm:kvtier_tier_faults{kind=%r}).",
                 self.name,
                 "read" if res.op == "read" else "write",
                 "" if res.op == "read" else "(dropped)",
@@ -633,7 +633,7 @@ class FileSystemTier(SecondaryTier):
         logger.warning(
             "kvtier fs tier %r at %s: %s past the time limit (a hung or very slow "
             "filesystem?); the engine goes on without them "
-            "(metric vllm:kvtier_fs_faults{kind='timeout'})",
+            "(metric vllm:kvtier_tier_faults{kind='timeout'})",
             self.name,
             self.cfg.root_dir,
             what,

@@ -561,7 +561,7 @@ class StoreTier(SecondaryTier):
             logger.warning(
                 "kvtier store tier %r: %s of the object for key %s failed (%s); treated as a "
                 "miss, never loaded. Further faults of this kind are only counted "
-                "(metric vllm:kvtier_fs_faults{tier=%r,kind=%r}).",
+                "(metric vllm:kvtier_tier_faults{tier=%r,kind=%r}).",
                 self.name,
                 res.op,
                 fsformat.key_digest(res.key).hex(),
@@ -581,7 +581,7 @@ class StoreTier(SecondaryTier):
                 "kvtier store tier %r: the store did not answer (%s); lookups miss and writes "
                 "are dropped for %.1f s, then it is tried again (back-off up to %.0f s, back "
                 "to %.1f s after a call that succeeds; metric "
-                "vllm:kvtier_fs_faults{tier=%r,kind=%r})",
+                "vllm:kvtier_tier_faults{tier=%r,kind=%r})",
                 self.name,
                 why,
                 self._backoff,
@@ -598,7 +598,7 @@ class StoreTier(SecondaryTier):
             self._fault_logged.add("timeout")
             logger.warning(
                 "kvtier store tier %r: %s past the time limit; the engine goes on without "
-                "it (metric vllm:kvtier_fs_faults{tier=%r,kind='timeout'})",
+                "it (metric vllm:kvtier_tier_faults{tier=%r,kind='timeout'})",
                 self.name,
                 what,
                 self.name,

@@ -131,6 +131,6 @@ def mooncake_connector(cfg: MooncakeTierConfig, where: str) -> Callable[[], Stor
             raise ConnectionError(
                 f"Mooncake Store setup with master {cfg.master_server_address} returned {rc}"
             )
-        return cast(StoreClient, store)
+        return cast("StoreClient", store)
 
     return connect
