@@ -484,6 +484,16 @@ class FrecencyPolicy:
 POLICIES: dict[str, type] = {"lru": LRUPolicy, "arc": ARCPolicy, "frecency": FrecencyPolicy}
 
 
+def finish_request(policy: EvictionPolicy, keys: Sequence[Key], reused: Collection[Key]) -> None:
+    """Tell ``policy`` a request finished with ``keys`` (head first), having reused the
+    keys in ``reused``: its ``touch_prefix`` where it has one, else ``touch``."""
+    touch_prefix = getattr(policy, "touch_prefix", None)
+    if touch_prefix is None:
+        policy.touch(keys)
+    else:
+        touch_prefix(keys, reused)
+
+
 def _load_class(path: str) -> type:
     module_name, sep, attr = path.partition(":")
     if not sep:

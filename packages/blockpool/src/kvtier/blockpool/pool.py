@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from kvtier.blockpool.allocator import RunAllocator
 from kvtier.blockpool.budget import require_positive_int
-from kvtier.blockpool.policies import EvictionPolicy, make_policy
+from kvtier.blockpool.policies import EvictionPolicy, finish_request, make_policy
 
 FREE, KEYED, OWNED = 0, 1, 2  # KEYED: storing or cached, told apart by the key maps
 
@@ -317,11 +317,7 @@ class HostBlockPool:
         least, stored keys included, so eviction takes a prefix from its tail. Only
         the keys in ``reused`` (found cached) count as a use; the policy's
         ``touch_prefix`` tells them apart, a policy without one gets ``touch``."""
-        touch_prefix = getattr(self.policy, "touch_prefix", None)
-        if touch_prefix is None:
-            self.policy.touch(keys)
-        else:
-            touch_prefix(keys, reused)
+        finish_request(self.policy, keys, reused)
 
     def evict_all(self) -> list[Hashable]:
         """Evict every unpinned cached key (for a reset); returns them."""

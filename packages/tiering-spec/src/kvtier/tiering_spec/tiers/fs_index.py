@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import cast
 
-from kvtier.blockpool.policies import make_policy
+from kvtier.blockpool.policies import finish_request, make_policy
 
 
 class FsEntry:
@@ -69,11 +69,7 @@ class FsIndex:
 
     def finish_request(self, digests: Sequence[bytes], reused: Collection[bytes]) -> None:
         """A request finished with ``digests`` (head first), having loaded ``reused``."""
-        touch_prefix = getattr(self._policy, "touch_prefix", None)
-        if touch_prefix is None:
-            self._policy.touch(digests)
-        else:
-            touch_prefix(digests, reused)
+        finish_request(self._policy, digests, reused)
 
     def make_room(
         self, nbytes: int, capacity: int | None, busy: Callable[[bytes], bool]
