@@ -1,21 +1,31 @@
-"""Source rules ruff cannot express, for ``nox -s lint``: no module under a package's
-``src/`` reads the Python call stack to find vLLM's objects.
+"""Source rules ruff cannot express, for ``nox -s lint``. Under a package's ``src/``:
 
-Reading frames (``sys._getframe``, ``inspect.currentframe``/``stack``, ``f_locals``,
-``f_back``) ties kvtier to the names of vLLM's locals and callers: a renamed argument
-upstream silently changes what kvtier finds. vLLM's objects are handed over explicitly
-instead. ``ALLOWED`` names the files that still do it, each with the reason; the rule
-fails on any other file, and on an allowed file that no longer needs its entry.
+* **no stack-frame reads.** Reading frames (``sys._getframe``,
+  ``inspect.currentframe``/``stack``, ``f_locals``, ``f_back``) ties kvtier to the names
+  of vLLM's locals and callers: a renamed argument upstream silently changes what
+  kvtier finds. vLLM's objects are handed over explicitly instead.
+* **no class defined under an ``if`` or a ``try``.** What differs between vLLM
+  releases lives in a module per interface generation that only that generation
+  imports; a class whose existence depends on an import-time branch is invisible to
+  readers and type checkers.
+* **no factory patches.** vLLM's factories (``KVConnectorFactory``,
+  ``OffloadingSpecFactory``, ...) are used through what they offer; kvtier never
+  assigns to their attributes (``setattr(factory, ...)``, ``Factory.method = ...``).
+
+``ALLOWED`` names, per rule, the files that still break it, each with the reason; a
+rule fails on any other file, and on an allowed file that no longer needs its entry.
 
     python tools/check_src.py             # check the repository
-    python tools/check_src.py --self-test # show that a planted frame read is caught
+    python tools/check_src.py --self-test # show that each planted offence is caught
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,51 +33,145 @@ FRAME_READ = re.compile(
     r"\bsys\._getframe\b|\binspect\.(?:currentframe|stack|getouterframes)\b"
     r"|\.f_locals\b|\.f_back\b|\.f_globals\b"
 )
-ALLOWED = {
-    # vLLM 0.23 has no bind_kv_cache_manager: the connector finds the scheduler's
-    # KVCacheManager from bind_gpu_block_pool's caller (the redesign's port removes it).
-    "packages/recompute-connector/src/kvtier/recompute_connector/vllm_compat.py",
+FACTORY = re.compile(r"factory", re.IGNORECASE)
+
+ALLOWED: dict[str, dict[str, str]] = {
+    "frame read": {
+        "packages/recompute-connector/src/kvtier/recompute_connector/vllm_compat.py": (
+            "vLLM 0.23 has no bind_kv_cache_manager, and MultiConnector hands a child a "
+            "private copy of the configuration: the scheduler and the parent are found "
+            "from the caller"
+        ),
+    },
+    "class under a branch": {},
+    "factory patch": {
+        "packages/blockpool/src/kvtier/blockpool/plugin_glue.py": (
+            "guard_registrations keeps the guide's connector name when vllm-ascend "
+            "registers it after kvtier (vLLM raises on a duplicate name)"
+        ),
+    },
 }
 
 
-def frame_reads(root: Path) -> dict[str, list[int]]:
-    """Files under ``root``'s ``packages/*/src`` that read stack frames, with the lines."""
-    found: dict[str, list[int]] = {}
+def _frame_reads(text: str, tree: ast.Module) -> list[int]:
+    lines = text.splitlines()
+    return [n for n, line in enumerate(lines, 1) if FRAME_READ.search(line.split("#")[0])]
+
+
+def _classes_under_branches(text: str, tree: ast.Module) -> list[int]:
+    hits: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.Try)):
+            hits.update(sub.lineno for sub in ast.walk(node) if isinstance(sub, ast.ClassDef))
+    return sorted(hits)
+
+
+def _names(node: ast.expr) -> str:
+    """The dotted text of a name or attribute chain (other expressions: '')."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_names(node.value)}.{node.attr}"
+    return ""
+
+
+def _factory_patches(text: str, tree: ast.Module) -> list[int]:
+    hits: set[int] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and node.args
+            and FACTORY.search(_names(node.args[0]))
+        ):
+            hits.add(node.lineno)
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            if isinstance(target, ast.Attribute) and FACTORY.search(_names(target.value)):
+                hits.add(node.lineno)
+    return sorted(hits)
+
+
+RULES: dict[str, tuple[Callable[[str, ast.Module], list[int]], str]] = {
+    "frame read": (_frame_reads, "reads the call stack; hand vLLM's objects over explicitly"),
+    "class under a branch": (
+        _classes_under_branches,
+        "defines a class under an if/try; put each vLLM generation's code in its own module",
+    ),
+    "factory patch": (
+        _factory_patches,
+        "assigns to a vLLM factory; register through the factory's own methods",
+    ),
+}
+
+
+def offences(root: Path) -> dict[str, dict[str, list[int]]]:
+    """Per rule, the files under ``root``'s ``packages/*/src`` that break it, with lines."""
+    found: dict[str, dict[str, list[int]]] = {rule: {} for rule in RULES}
     for path in sorted(root.glob("packages/*/src/**/*.py")):
-        lines = path.read_text(encoding="utf-8").splitlines()
-        hits = [n for n, text in enumerate(lines, 1) if FRAME_READ.search(text.split("#")[0])]
-        if hits:
-            found[path.relative_to(root).as_posix()] = hits
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text, filename=str(path))
+        name = path.relative_to(root).as_posix()
+        for rule, (check, _) in RULES.items():
+            lines = check(text, tree)
+            if lines:
+                found[rule][name] = lines
     return found
 
 
-def problems(root: Path, allowed: set[str]) -> list[str]:
-    found = frame_reads(root)
-    out = [
-        f"{name}:{line}: reads the call stack; hand vLLM's objects over explicitly"
-        for name, lines in found.items()
-        if name not in allowed
-        for line in lines
-    ]
-    out += [
-        f"{name}: allowed to read the call stack but no longer does: drop it from ALLOWED"
-        for name in sorted(allowed - found.keys())
-    ]
+def problems(root: Path, allowed: dict[str, dict[str, str]]) -> list[str]:
+    out: list[str] = []
+    for rule, files in offences(root).items():
+        permitted = set(allowed.get(rule, {}))
+        message = RULES[rule][1]
+        out += [
+            f"{name}:{line}: {message}"
+            for name, lines in files.items()
+            if name not in permitted
+            for line in lines
+        ]
+        out += [
+            f"{name}: allowed a {rule} but has none: drop it from ALLOWED"
+            for name in sorted(permitted - files.keys())
+        ]
     return out
 
 
 def self_test() -> None:
+    planted = {
+        "frame read": "import sys\nowner = sys._getframe(1).f_locals['self']\n",
+        "class under a branch": "import os\nif os.sep:\n    class A:\n        pass\n",
+        "factory patch": "from v import KVConnectorFactory\n"
+        "setattr(KVConnectorFactory, 'register_connector', print)\n",
+    }
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "packages/x/src/kvtier/x"
         src.mkdir(parents=True)
-        (src / "clean.py").write_text("import sys\nframe_count = 0  # no sys._getframe here\n")
-        assert problems(Path(tmp), set()) == [], "a comment is not a frame read"
-        (src / "bad.py").write_text("import sys\nowner = sys._getframe(1).f_locals['self']\n")
-        found = problems(Path(tmp), set())
-        assert len(found) == 1 and found[0].startswith("packages/x/src/kvtier/x/bad.py:2: ")
-        assert problems(Path(tmp), {"packages/x/src/kvtier/x/bad.py"}) == []
-        stale = problems(Path(tmp), {"packages/x/src/kvtier/x/bad.py", "packages/x/gone.py"})
-        assert stale and "no longer does" in stale[0]
+        (src / "clean.py").write_text(
+            "import sys\nframe_count = 0  # no sys._getframe here\n"
+            "class B:\n    pass\nregistry = {}\nregistry['n'] = B\n"
+        )
+        assert problems(Path(tmp), {}) == [], problems(Path(tmp), {})
+        for rule, text in planted.items():
+            bad = src / "bad.py"
+            bad.write_text(text)
+            found = problems(Path(tmp), {})
+            assert len(found) == 1 and found[0].startswith("packages/x/src/kvtier/x/bad.py:"), (
+                rule,
+                found,
+            )
+            assert RULES[rule][1] in found[0]
+            assert problems(Path(tmp), {rule: {"packages/x/src/kvtier/x/bad.py": "why"}}) == []
+            stale = problems(Path(tmp), {rule: {"packages/x/gone.py": "why"}})
+            assert any("has none" in line for line in stale), stale
+            bad.unlink()
+        (src / "attr.py").write_text("import f\nf.OffloadingSpecFactory.get_spec_cls = print\n")
+        assert len(problems(Path(tmp), {})) == 1
 
 
 def main(argv: list[str]) -> int:
@@ -79,7 +183,8 @@ def main(argv: list[str]) -> int:
     for line in found:
         print(line)
     if not found:
-        print(f"check_src: no stack-frame reads under packages/*/src (allowed: {len(ALLOWED)})")
+        counts = ", ".join(f"{rule}: {len(files)} allowed" for rule, files in ALLOWED.items())
+        print(f"check_src: packages/*/src keeps the source rules ({counts})")
     return 1 if found else 0
 
 

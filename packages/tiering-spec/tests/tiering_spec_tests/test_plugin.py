@@ -120,7 +120,7 @@ def test_the_connector_name_resolves_to_kvtiers_connector() -> None:
     base = (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
         if vllm_compat.SPEC_METRICS
-        else "kvtier.tiering_spec.vllm_compat"
+        else "kvtier.tiering_spec.vllm_legacy_metrics"
     )
     words = printed(out)
     assert words[0] == "kvtier.tiering_spec.connector" and base in words[1:], out.stdout

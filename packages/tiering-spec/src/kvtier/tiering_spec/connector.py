@@ -15,7 +15,7 @@ It also tells a kvtier manager which requests run with a LoRA adapter (only the
 connector sees vLLM's ``Request``): those keep to the host tier.
 
 With any other spec it is vLLM's connector unchanged. On releases without spec
-metrics it builds on :class:`kvtier.tiering_spec.vllm_compat.OffloadingConnector`.
+metrics it builds on :class:`kvtier.tiering_spec.vllm_legacy_metrics.OffloadingConnector`.
 """
 
 from __future__ import annotations
@@ -30,19 +30,8 @@ from kvtier.tiering_spec.vllm_adapter import KvtierOffloadingManager, _KvtierSpe
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
-try:  # where completed jobs reach the scheduler in worker metadata (0.23 to 0.33)
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-        OffloadingWorkerMetadata,
-    )
-except ImportError:  # pragma: no cover - a release without it: vLLM's connector as is
-    OffloadingWorkerMetadata = None
-
-if compat.SPEC_METRICS:
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-        OffloadingConnector as _Base,
-    )
-else:
-    _Base = compat.OffloadingConnector
+OffloadingWorkerMetadata = compat.WorkerMetadataBase
+_Base: Any = compat.ConnectorBase
 
 
 # The base constructor's parameters (vllm_config, role, kv_cache_config), to name the
