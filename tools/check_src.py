@@ -44,12 +44,7 @@ ALLOWED: dict[str, dict[str, str]] = {
         ),
     },
     "class under a branch": {},
-    "factory patch": {
-        "packages/blockpool/src/kvtier/blockpool/plugin_glue.py": (
-            "guard_registrations keeps the guide's connector name when vllm-ascend "
-            "registers it after kvtier (vLLM raises on a duplicate name)"
-        ),
-    },
+    "factory patch": {},
 }
 
 

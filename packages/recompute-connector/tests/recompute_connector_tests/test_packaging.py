@@ -10,6 +10,7 @@ def test_vllm_is_an_extra_and_siblings_are_ranges() -> None:
     runtime = [r for r in reqs if "extra ==" not in r]
     assert any(r.startswith("kvtier-blockpool") and "<0.2" in r for r in runtime), runtime
     assert any(r.startswith("kvtier-npu-copy") and "<0.2" in r for r in runtime), runtime
+    assert any(r.startswith("kvtier-vllm-port") and "<0.2" in r for r in runtime), runtime
     assert not any(r.startswith("vllm") for r in runtime), "vLLM must not be a hard dependency"
     assert any(r.startswith("vllm") and "extra ==" in r and "vllm" in r.split(";")[1] for r in reqs)
 

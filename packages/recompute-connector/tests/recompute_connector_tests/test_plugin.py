@@ -48,7 +48,7 @@ def test_unsupported_vllm_is_one_log_line_and_no_registration(
     with caplog.at_level(logging.WARNING):
         assert plugin.register() is False
     lines = [r.getMessage() for r in caplog.records if "0.8.5" in r.getMessage()]
-    from kvtier.blockpool.plugin_glue import declared_vllm_range
+    from kvtier.vllm_port.plugins import declared_vllm_range
 
     assert len(lines) == 1 and str(declared_vllm_range(plugin.DISTRIBUTION)) in lines[0], lines
 
@@ -66,19 +66,28 @@ import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from recompute_connector_tests import ascend_standin
 from kvtier.recompute_connector import plugin
+# The stand-in plays vllm-ascend: an installed plugin with a connector of that name.
+plugin.OTHER_PROVIDERS = {providers!r}
 order = {order!r}
 for name in order.split(","):
     (plugin.register if name == "kvtier" else ascend_standin.register)()
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as F
 for name in ("RecomputeCPUOffloadConnector", "KvtierRecomputeCPUOffloadConnector",
              "MultiConnector", "MooncakeConnectorV1"):
-    print(name, F.get_connector_class_by_name(name).__module__)
+    try:
+        print(name, F.get_connector_class_by_name(name).__module__)
+    except ValueError:  # not registered
+        print(name, "-")
 """
+STANDIN = ("recompute_connector_tests.ascend_standin",)
+KVTIER = "kvtier.recompute_connector.connector"
 
 
-def coexist(order: str, **env: str) -> tuple[dict[str, str], str]:
+def coexist(
+    order: str, providers: tuple[str, ...] = STANDIN, **env: str
+) -> tuple[dict[str, str], str]:
     result = subprocess.run(
-        [sys.executable, "-c", COEXIST.format(order=order)],
+        [sys.executable, "-c", COEXIST.format(order=order, providers=providers)],
         capture_output=True,
         text=True,
         env=script_env(__file__, env),
@@ -91,30 +100,62 @@ def coexist(order: str, **env: str) -> tuple[dict[str, str], str]:
     return classes, result.stdout + result.stderr
 
 
+def said_about_the_name(log: str) -> list[str]:
+    marks = ("kvtier: RecomputeCPUOffloadConnector left", "kvtier: RecomputeCPUOffloadConnector is")
+    return [line for line in log.splitlines() if any(m in line for m in marks)]
+
+
 @requires_vllm
 @pytest.mark.parametrize("order", ["kvtier,ascend", "ascend,kvtier"])
-def test_beside_vllm_ascend_kvtier_gets_the_guides_name_in_either_order(order: str) -> None:
+def test_beside_vllm_ascend_the_guides_name_stays_vllm_ascends_in_either_order(
+    order: str,
+) -> None:
+    """vllm-ascend has a connector of its own under the guide's name: kvtier registers
+    its alias only, and vLLM's factory keeps refusing duplicates (nothing patched)."""
     classes, log = coexist(order)
-    assert classes["RecomputeCPUOffloadConnector"] == "kvtier.recompute_connector.connector"
-    assert classes["KvtierRecomputeCPUOffloadConnector"] == "kvtier.recompute_connector.connector"
+    assert classes["RecomputeCPUOffloadConnector"].endswith("ascend_standin")
+    assert classes["KvtierRecomputeCPUOffloadConnector"] == KVTIER
     # vllm-ascend's other registrations are untouched.
     assert classes["MultiConnector"].endswith("ascend_standin")
     assert classes["MooncakeConnectorV1"].endswith("ascend_standin")
-    said = [
-        line
-        for line in log.splitlines()
-        if "kvtier:" in line and "RecomputeCPUOffloadConnector" in line
-    ]
-    assert len(said) == 1, said  # the outcome is logged once
-    assert "KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR" in said[0]
+    said = said_about_the_name(log)
+    assert len(said) == 1 and "KVTIER_UPSTREAM_NAMES=1" in said[0], said
 
 
 @requires_vllm
-@pytest.mark.parametrize("order", ["kvtier,ascend", "ascend,kvtier"])
-def test_switch_off_leaves_the_guides_name_to_vllm_ascend(order: str) -> None:
-    classes, _ = coexist(order, KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR="0")
+def test_the_switch_takes_the_name_from_vllm_ascend_when_it_registered_first() -> None:
+    classes, log = coexist("ascend,kvtier", KVTIER_UPSTREAM_NAMES="1")
+    assert classes["RecomputeCPUOffloadConnector"] == KVTIER
+    assert classes["MultiConnector"].endswith("ascend_standin")
+    said = said_about_the_name(log)
+    assert len(said) == 1 and "KVTIER_UPSTREAM_NAMES=0" in said[0], said
+
+
+@requires_vllm
+def test_the_switch_never_makes_a_later_vllm_ascend_registration_fail() -> None:
+    """vllm-ascend's plugin registers the name after kvtier's: taking it first would
+    make vLLM stop in vllm-ascend's plugin, so kvtier leaves it and says so."""
+    classes, log = coexist("kvtier,ascend", KVTIER_UPSTREAM_NAMES="1")
     assert classes["RecomputeCPUOffloadConnector"].endswith("ascend_standin")
-    assert classes["KvtierRecomputeCPUOffloadConnector"] == "kvtier.recompute_connector.connector"
+    assert classes["KvtierRecomputeCPUOffloadConnector"] == KVTIER
+    said = said_about_the_name(log)
+    assert len(said) == 1 and "KvtierRecomputeCPUOffloadConnector" in said[0], said
+
+
+@requires_vllm
+def test_without_another_provider_the_guides_name_is_kvtiers_unless_switched_off() -> None:
+    classes, _ = coexist("kvtier", providers=())
+    assert classes["RecomputeCPUOffloadConnector"] == KVTIER
+    classes, _ = coexist("kvtier", providers=(), KVTIER_UPSTREAM_NAMES="0")
+    assert classes["RecomputeCPUOffloadConnector"] == "-"
+    assert classes["KvtierRecomputeCPUOffloadConnector"] == KVTIER
+
+
+@requires_vllm
+def test_the_earlier_switch_name_still_counts_with_a_warning() -> None:
+    classes, log = coexist("kvtier", providers=(), KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR="0")
+    assert classes["RecomputeCPUOffloadConnector"] == "-"
+    assert "KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR is deprecated" in log
 
 
 @requires_vllm

@@ -40,15 +40,18 @@ def test_entry_point_is_declared() -> None:
 @pytest.mark.parametrize(
     ("platform", "env", "expected"),
     [
-        (FakePlatform(), None, True),  # vLLM's CPU platform, Ascend
-        (FakePlatform(cuda=True), None, False),
-        (FakePlatform(xpu=True), None, False),
-        (FakePlatform(cuda=True), "1", True),
-        (FakePlatform(), "0", False),
+        (FakePlatform(), {}, True),  # vLLM's CPU platform, Ascend
+        (FakePlatform(cuda=True), {}, False),
+        (FakePlatform(xpu=True), {}, False),
+        (FakePlatform(cuda=True), {"KVTIER_UPSTREAM_NAMES": "1"}, True),
+        (FakePlatform(), {"KVTIER_UPSTREAM_NAMES": "0"}, False),
+        # The switch's earlier name still counts (deprecated).
+        (FakePlatform(cuda=True), {"KVTIER_OVERRIDE_UPSTREAM_SPECS": "1"}, True),
+        (FakePlatform(), {"KVTIER_OVERRIDE_UPSTREAM_SPECS": "0"}, False),
     ],
 )
 def test_upstream_names_are_overridden_only_where_vllms_cannot_run(
-    platform: FakePlatform, env: str | None, expected: bool
+    platform: FakePlatform, env: dict[str, str], expected: bool
 ) -> None:
     assert plugin.should_override(platform, env) is expected
 
@@ -89,12 +92,38 @@ def test_opt_out_keeps_vllms_names() -> None:
     code = (
         "from kvtier.tiering_spec import plugin\nplugin.register()\n"
         "from vllm.v1.kv_offload.factory import OffloadingSpecFactory as F\n"
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as K\n"
         "print('=>', F._registry['CPUOffloadingSpec']().__module__)\n"
         "print('=>', F._registry['KvtierTieringOffloadingSpec']().__module__)\n"
+        "print('=>', K.get_connector_class_by_name('OffloadingConnector').__module__)\n"
+        "print('=>', K.get_connector_class_by_name('KvtierOffloadingConnector').__module__)\n"
     )
-    out = run_py(code, KVTIER_OVERRIDE_UPSTREAM_SPECS="0")
+    out = run_py(code, KVTIER_UPSTREAM_NAMES="0")
     assert out.returncode == 0, out.stderr
-    assert printed(out) == ["vllm.v1.kv_offload.cpu.spec", "kvtier.tiering_spec.vllm_adapter"]
+    assert printed(out) == [
+        "vllm.v1.kv_offload.cpu.spec",
+        "kvtier.tiering_spec.vllm_adapter",
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+        "kvtier.tiering_spec.connector",
+    ]
+
+
+def test_the_factories_are_used_never_patched() -> None:
+    code = (
+        "from vllm.v1.kv_offload.factory import OffloadingSpecFactory as F\n"
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as K\n"
+        "before = {**vars(F), **vars(K)}\n"
+        "from kvtier.tiering_spec import plugin\nplugin.register()\n"
+        "from kvtier.recompute_connector import plugin as p2\np2.register()\n"
+        "after = {**vars(F), **vars(K)}\n"
+        "print('=>', sorted(k for k in after if after[k] is not before.get(k)))\n"
+        "try:\n    F.register_spec('CPUOffloadingSpec', 'x', 'y')\n"
+        "except ValueError:\n    print('=> refused')\n"
+    )
+    out = run_py(code)
+    assert out.returncode == 0, out.stderr
+    # Only the registries' contents changed; a later duplicate still raises as vLLM says.
+    assert printed(out) == ["[]", "refused"], out.stdout
 
 
 def test_spec_module_path_reaches_kvtier_without_the_plugin() -> None:

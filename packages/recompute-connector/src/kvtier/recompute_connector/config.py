@@ -20,7 +20,7 @@ from kvtier.blockpool import (
     require_positive_int,
 )
 from kvtier.blockpool import resolve_budget as _resolve_budget
-from kvtier.blockpool.plugin_glue import env_switch
+from kvtier.vllm_port.plugins import env_switch
 
 logger = logging.getLogger("kvtier.recompute_connector")
 

@@ -3,15 +3,19 @@
 vLLM calls :func:`register` in every one of its processes. It must never raise (an
 exception in a general plugin stops vLLM), must be idempotent, and imports vLLM only
 inside the function. It follows kvtier's plugin convention
-(:mod:`kvtier.blockpool.plugin_glue`):
+(:mod:`kvtier.vllm_port.plugins`):
 
 * the supported vLLM range is the ``vllm`` extra of this distribution;
 * ``KvtierRecomputeCPUOffloadConnector`` is always kvtier's connector;
-* the guide's name ``RecomputeCPUOffloadConnector`` is kvtier's too, unless
-  ``KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR=0``. vllm-ascend registers its own connector
-  under that name: whichever plugin loads first, kvtier's entry replaces or keeps the
-  name and vllm-ascend's registration is skipped with one log line (it would raise on
-  the duplicate otherwise). With the switch at 0 the name is left to vllm-ascend.
+* the guide's name ``RecomputeCPUOffloadConnector`` is kvtier's too where nothing else
+  provides a connector under it. vllm-ascend registers its own under that name, so
+  where vllm-ascend is installed the name is left to it; ``KVTIER_UPSTREAM_NAMES=1``
+  takes it (replacing vllm-ascend's entry when vllm-ascend registered first; when
+  vllm-ascend's plugin is still to run, vLLM would stop on its duplicate registration,
+  so the name is left and one warning says so), ``=0`` leaves it everywhere.
+  ``KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR``, this switch's earlier name, still counts.
+
+vLLM's factory is used through ``register_connector`` only; it is never patched.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ DISTRIBUTION = "kvtier-recompute-connector"
 CONNECTOR_NAME = "RecomputeCPUOffloadConnector"
 ALIAS = "KvtierRecomputeCPUOffloadConnector"
 CONNECTOR_MODULE = "kvtier.recompute_connector.connector"
-ENV_OVERRIDE = "KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR"
+# This plugin's switch before KVTIER_UPSTREAM_NAMES (deprecated).
+OLD_SWITCH = "KVTIER_OVERRIDE_RECOMPUTE_CONNECTOR"
+# Plugins (by top-level module) that register a connector of their own under the
+# guide's name.
+OTHER_PROVIDERS = ("vllm_ascend",)
 
 _state: dict[str, Any] = {"registered": False}
 
@@ -53,42 +61,51 @@ def register() -> bool:
 def _register() -> bool:
     import vllm
 
-    from kvtier.blockpool.plugin_glue import (
-        claim_name,
-        env_switch,
-        guard_registrations,
-        kvtier_loader,
+    from kvtier.vllm_port.plugins import (
+        REPLACED,
+        UPSTREAM_SWITCH,
+        installed,
+        is_registered,
+        register_name,
+        upstream_names,
         version_gate,
     )
 
     version = str(getattr(vllm, "__version__", ""))
     if not version_gate(DISTRIBUTION, version, logger):
         return False
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as F
 
-    registry = KVConnectorFactory._registry
-    loader = kvtier_loader(CONNECTOR_MODULE, CONNECTOR_NAME)
-    claim_name(registry, ALIAS, loader, take=True)
-    take = env_switch(ENV_OVERRIDE, True, logger)
-    outcome = claim_name(registry, CONNECTOR_NAME, loader, take=take)
-    if take:
-        guard_registrations(
-            KVConnectorFactory, "register_connector", registry, {CONNECTOR_NAME}, logger,
-            ENV_OVERRIDE,
-        )  # fmt: skip
-    if outcome == "replaced":
-        logger.info(
-            "kvtier: %s is kvtier's connector (it replaced another plugin's; set %s=0 to "
-            "keep that one); also registered as %s",
+    register_name(F, "register_connector", ALIAS, CONNECTOR_MODULE, CONNECTOR_NAME, take=True)
+    other = next((m for m in OTHER_PROVIDERS if installed(m)), None)
+    take = upstream_names(other is None, logger, deprecated=OLD_SWITCH)
+    if take and other is not None and not is_registered(F, CONNECTOR_NAME):
+        logger.warning(
+            "kvtier: %s left to %s, whose plugin registers it after kvtier's in this "
+            "process (vLLM stops on a duplicate name); select %s to use kvtier's connector",
             CONNECTOR_NAME,
-            ENV_OVERRIDE,
+            other,
             ALIAS,
         )
-    elif outcome == "left":
+        return True
+    outcome = register_name(
+        F, "register_connector", CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME, take=take
+    )
+    if not take:
         logger.info(
-            "kvtier: %s=0: %s left to other plugins; kvtier's connector is %s",
-            ENV_OVERRIDE,
+            "kvtier: %s left to %s (%s); kvtier's connector is %s",
             CONNECTOR_NAME,
+            other or "other plugins",
+            f"{UPSTREAM_SWITCH}=1 takes it" if other else f"{UPSTREAM_SWITCH}=0",
+            ALIAS,
+        )
+    elif outcome == REPLACED:
+        logger.info(
+            "kvtier: %s is kvtier's connector (it replaced %s's; %s=0 keeps that one); "
+            "also registered as %s",
+            CONNECTOR_NAME,
+            other or "another plugin",
+            UPSTREAM_SWITCH,
             ALIAS,
         )
     else:

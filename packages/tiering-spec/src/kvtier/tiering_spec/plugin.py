@@ -1,30 +1,30 @@
-"""vLLM general plugin: make the upstream spec names resolve to kvtier's specs.
+"""vLLM general plugin: kvtier's spec and connector names, and the guides' names where
+vLLM's own classes cannot run.
 
 vLLM loads every ``vllm.general_plugins`` entry point in every process, and an
 exception there kills the process, so :func:`register` never raises. It is
 idempotent and imports vLLM only inside the function.
 
 vLLM's ``OffloadingSpecFactory.get_spec_cls`` looks ``spec_name`` up in its registry
-first and uses ``spec_module_path`` only for names not registered, and
-``register_spec`` refuses a name that exists. So kvtier:
+first and uses ``spec_module_path`` only for names not registered. kvtier:
 
-* always registers ``KvtierCPUOffloadingSpec`` and ``KvtierTieringOffloadingSpec``;
-* replaces the registry entries ``CPUOffloadingSpec`` and ``TieringOffloadingSpec``
-  on platforms where vLLM's own specs refuse to run (anything but CUDA, ROCm and
-  XPU: Ascend NPU, vLLM's CPU platform), and on CUDA/ROCm/XPU only when
-  ``KVTIER_OVERRIDE_UPSTREAM_SPECS=1``. ``KVTIER_OVERRIDE_UPSTREAM_SPECS=0``
-  leaves vLLM's names alone everywhere. A plugin that registers those names after
-  kvtier took them is skipped with one log line.
+* always registers ``KvtierCPUOffloadingSpec``, ``KvtierTieringOffloadingSpec`` and
+  the connector ``KvtierOffloadingConnector``
+  (:class:`kvtier.tiering_spec.connector.OffloadingConnector`: vLLM's connector,
+  which with a kvtier spec recomputes a failed transfer instead of failing vLLM's
+  assertion and, on releases whose offloading specs cannot declare metrics, also
+  reports the metrics of kvtier's manager; with any other spec it is vLLM's);
+* answers the upstream names ``CPUOffloadingSpec``, ``TieringOffloadingSpec`` and
+  ``OffloadingConnector`` where vLLM's own specs refuse to run (anything but CUDA,
+  ROCm and XPU: Ascend NPU, vLLM's CPU platform), so the guides' configurations work
+  unchanged there. ``KVTIER_UPSTREAM_NAMES=1`` answers them everywhere, ``=0``
+  nowhere (``KVTIER_OVERRIDE_UPSTREAM_SPECS``, its earlier name, still counts).
 
-The connector name ``OffloadingConnector`` resolves to
-:class:`kvtier.tiering_spec.connector.OffloadingConnector`: vLLM's connector, which
-with a kvtier spec recomputes a failed transfer instead of failing vLLM's assertion,
-and, on releases whose offloading specs cannot declare metrics (0.23 up to the
-interfaces of 0.32), also reports the metrics of kvtier's manager. With any other
-spec it is vLLM's connector.
-
-It follows kvtier's plugin convention (:mod:`kvtier.blockpool.plugin_glue`): the
-supported vLLM range is this distribution's ``vllm`` extra.
+Names are registered through the factories' own ``register_...`` methods; an upstream
+name is replaced the way vllm-ascend replaces vLLM's (its entry removed, then
+registered). vLLM's factories are never patched. The convention is
+:mod:`kvtier.vllm_port.plugins`: the supported vLLM range is this distribution's
+``vllm`` extra.
 """
 
 from __future__ import annotations
@@ -41,23 +41,25 @@ KVTIER_NAMES = {
     "KvtierCPUOffloadingSpec": "CPUOffloadingSpec",
     "KvtierTieringOffloadingSpec": "TieringOffloadingSpec",
 }
-ENV_OVERRIDE = "KVTIER_OVERRIDE_UPSTREAM_SPECS"
+# This plugin's switch before KVTIER_UPSTREAM_NAMES (deprecated).
+OLD_SWITCH = "KVTIER_OVERRIDE_UPSTREAM_SPECS"
 CONNECTOR = "OffloadingConnector"
+CONNECTOR_ALIAS = "KvtierOffloadingConnector"
+CONNECTOR_MODULE = "kvtier.tiering_spec.connector"
 
 _state: dict[str, Any] = {"done": False, "overridden": False}
 
 
-def should_override(platform: Any, env: str | None) -> bool:
-    """Whether the upstream names should resolve to kvtier on ``platform`` (``env``: the
-    value of ``KVTIER_OVERRIDE_UPSTREAM_SPECS``, or None when unset)."""
-    from kvtier.blockpool.plugin_glue import env_switch
+def should_override(platform: Any, environ: dict[str, str] | None = None) -> bool:
+    """Whether the upstream names should resolve to kvtier on ``platform`` (``environ``:
+    the switches, or None for this process's environment)."""
+    from kvtier.vllm_port.plugins import upstream_names
 
     try:
         upstream_runs = bool(platform.is_cuda_alike() or platform.is_xpu())
     except Exception:
         upstream_runs = False
-    environ = {} if env is None else {ENV_OVERRIDE: env}
-    return env_switch(ENV_OVERRIDE, not upstream_runs, logger, environ)
+    return upstream_names(not upstream_runs, logger, deprecated=OLD_SWITCH, environ=environ)
 
 
 def register() -> None:
@@ -72,77 +74,56 @@ def register() -> None:
 
 
 def _register() -> None:
-    import os
-
     import vllm
 
-    from kvtier.blockpool.plugin_glue import (
-        claim_name,
-        guard_registrations,
-        kvtier_loader,
-        version_gate,
-    )
+    from kvtier.vllm_port.plugins import UPSTREAM_SWITCH, register_name, version_gate
 
     version = str(getattr(vllm, "__version__", ""))
     if not version_gate(DISTRIBUTION, version, logger):
         return
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.platforms import current_platform
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    registry = getattr(OffloadingSpecFactory, "_registry", None)
-    if not isinstance(registry, dict):
-        logger.warning(
-            "kvtier-tiering-spec: vLLM %s has no OffloadingSpecFactory registry; not registered",
-            version,
-        )
-        return
-    for name, cls in KVTIER_NAMES.items():
-        claim_name(registry, name, kvtier_loader(MODULE, cls), take=True)
     from kvtier.tiering_spec import vllm_compat
 
-    _claim_connector(version, vllm_compat.SPEC_METRICS)
-    from vllm.platforms import current_platform
-
-    if should_override(current_platform, os.environ.get(ENV_OVERRIDE)):
-        for name in UPSTREAM_NAMES:
-            claim_name(registry, name, kvtier_loader(MODULE, name), take=True)
-        guard_registrations(
-            OffloadingSpecFactory, "register_spec", registry, set(UPSTREAM_NAMES), logger,
-            ENV_OVERRIDE,
-        )  # fmt: skip
-        _state["overridden"] = True
+    for name, cls in KVTIER_NAMES.items():
+        register_name(OffloadingSpecFactory, "register_spec", name, MODULE, cls, take=True)
+    register_name(
+        KVConnectorFactory, "register_connector", CONNECTOR_ALIAS, CONNECTOR_MODULE, CONNECTOR,
+        take=True,
+    )  # fmt: skip
+    take = should_override(current_platform)
+    for name in UPSTREAM_NAMES:
+        register_name(OffloadingSpecFactory, "register_spec", name, MODULE, name, take=take)
+    outcome = register_name(
+        KVConnectorFactory, "register_connector", CONNECTOR, CONNECTOR_MODULE, CONNECTOR,
+        take=take,
+    )  # fmt: skip
+    _state["overridden"] = take
+    platform = getattr(current_platform, "device_type", "?") or "?"
+    if take:
         logger.info(
-            "kvtier-tiering-spec: spec names %s resolve to kvtier's implementations on this "
-            "%s platform",
+            "kvtier-tiering-spec: on this %s platform %s and %s resolve to kvtier's (%s), "
+            "as do the Kvtier... names; vLLM %s%s",
+            platform,
             ", ".join(UPSTREAM_NAMES),
-            getattr(current_platform, "device_type", "?") or "?",
+            CONNECTOR,
+            outcome,
+            version,
+            "" if vllm_compat.SPEC_METRICS else ": the connector reports kvtier's metrics",
         )
     else:
         logger.info(
-            "kvtier-tiering-spec: registered KvtierCPUOffloadingSpec, KvtierTieringOffloadingSpec; "
-            "vLLM's own CPUOffloadingSpec/TieringOffloadingSpec kept (set %s=1 to use kvtier's)",
-            ENV_OVERRIDE,
+            "kvtier-tiering-spec: registered KvtierCPUOffloadingSpec, "
+            "KvtierTieringOffloadingSpec and %s; vLLM's own %s and %s kept on this %s "
+            "platform (%s=1 answers them with kvtier's)",
+            CONNECTOR_ALIAS,
+            ", ".join(UPSTREAM_NAMES),
+            CONNECTOR,
+            platform,
+            UPSTREAM_SWITCH,
         )
-
-
-def _claim_connector(version: str, spec_metrics: bool) -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    from kvtier.blockpool.plugin_glue import claim_name, kvtier_loader
-
-    registry = getattr(KVConnectorFactory, "_registry", None)
-    if not isinstance(registry, dict):
-        logger.warning("kvtier-tiering-spec: vLLM %s has no connector registry", version)
-        return
-    loader = kvtier_loader("kvtier.tiering_spec.connector", CONNECTOR)
-    outcome = claim_name(registry, CONNECTOR, loader, take=True)
-    logger.info(
-        "kvtier-tiering-spec: vLLM %s: %s is vLLM's connector that, with a kvtier spec, "
-        "recomputes failed transfers%s (%s)",
-        version,
-        CONNECTOR,
-        "" if spec_metrics else " and reports kvtier's metrics",
-        outcome,
-    )
 
 
 def overridden() -> bool:

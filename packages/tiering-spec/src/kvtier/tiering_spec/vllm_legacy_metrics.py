@@ -33,7 +33,9 @@ def _kvtier_metric_table(vllm_config: Any) -> dict[str, m.MetricRow]:
     try:
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-        entry = OffloadingSpecFactory._registry.get(name)
+        from kvtier.vllm_port.plugins import registry_of
+
+        entry = registry_of(OffloadingSpecFactory).get(name)
         if entry is not None:
             spec_cls = entry()
         elif extra.get("spec_module_path"):
