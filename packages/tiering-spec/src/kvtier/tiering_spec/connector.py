@@ -6,7 +6,11 @@ under vLLM's name ``OffloadingConnector``) turns a failure into recompute instea
 
 * a failed **load**: its device blocks are reported through
   ``get_block_ids_with_load_errors``, and the scheduler recomputes them
-  (``kv_load_failure_policy`` is set to ``recompute``, with a log line);
+  (``kv_load_failure_policy`` is set to ``recompute``, with a log line). A model with
+  several KV cache groups (a hybrid model) has block ids that are unique only within
+  a group, and vLLM 0.32 stops the engine on a block-level failure there: its failed
+  loads are reported as failed requests (``failed_recving``), which vLLM recomputes
+  from the start;
 * a failed **store**: the job id travels to the scheduler in the worker metadata,
   and the manager drops the job's host blocks before vLLM completes the job, so
   they are never loaded.
@@ -73,6 +77,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         self._kvtier_worker_spec: _KvtierSpec | None = None
         self._kvtier_manager: KvtierOffloadingManager | None = None
         self._store_failure_logged = False
+        # Failed loads as failed requests, where block ids name no single request.
+        groups = getattr(given.get("kv_cache_config"), "kv_cache_groups", None) or ()
+        self._fail_requests = len(groups) > 1 and compat.REQUEST_LEVEL_LOAD_FAILURES
+        self._failed_recving: set[str] = set()
         if OffloadingWorkerMetadata is None:
             return
         worker = getattr(self, "connector_worker", None)
@@ -103,8 +111,32 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         errors = set(super().get_block_ids_with_load_errors())
         worker = self._kvtier_worker()
         if worker is not None:
-            errors |= worker.take_load_errors()
+            failed = worker.take_load_errors()
+            if not self._fail_requests:
+                errors |= failed
         return errors
+
+    def get_finished(self, finished_req_ids: set[str]) -> Any:
+        worker = self._kvtier_worker()
+        if worker is None or not self._fail_requests:
+            return super().get_finished(finished_req_ids)
+        # vLLM forgets a load job's request once it reports the job finished.
+        requests = dict(compat.load_job_requests(self))
+        finished = super().get_finished(finished_req_ids)
+        for job_id in worker.take_failed_loads():
+            req_id = requests.get(job_id)
+            if req_id is not None:
+                self._failed_recving.add(req_id)
+        return finished
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)
+        if self._failed_recving:
+            # A failed receive is also a finished one: the request leaves its wait.
+            results.failed_recving |= self._failed_recving
+            results.finished_recving |= self._failed_recving
+            self._failed_recving = set()
+        return results
 
     def build_connector_worker_meta(self) -> Any:
         meta = super().build_connector_worker_meta()

@@ -802,6 +802,7 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
         self._refused: list[int] = []
         self._load_blocks: dict[int, list[int]] = {}  # load job -> device block ids
         self._load_errors: set[int] = set()
+        self._failed_loads: list[int] = []
         self._failed_stores: list[int] = []
         self._logged: set[str] = set()
 
@@ -871,6 +872,7 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
                 ok = True  # for vLLM, which asserts; the connector learns the truth
                 if device_ids is not None:
                     self._load_errors.update(device_ids)
+                    self._failed_loads.append(job_id)
                 else:
                     self._failed_stores.append(job_id)
             results.append(compat.transfer_result(job_id, ok, nbytes, seconds))
@@ -880,6 +882,11 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
         """Device block ids of failed loads since the last call (to recompute)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> list[int]:
+        """Load jobs that failed since the last call (their requests to recompute)."""
+        failed, self._failed_loads = self._failed_loads, []
+        return failed
 
     def take_failed_stores(self) -> list[int]:
         """Store jobs that failed since the last call (their host blocks hold no KV)."""

@@ -264,3 +264,17 @@ def _worker_metadata_base() -> type | None:
 
 # vLLM's worker metadata class, or None on a release without one.
 WorkerMetadataBase: type | None = _worker_metadata_base()
+
+
+# Whether a connector can report a failed load as a failed request
+# (``KVConnectorTransferResults.failed_recving``, vLLM 0.32): the only way a model with
+# several KV cache groups recomputes a failed load instead of stopping the engine.
+REQUEST_LEVEL_LOAD_FAILURES = hasattr(ConnectorBase, "get_transfer_results")
+
+
+def load_job_requests(connector: Any) -> dict[int, str]:
+    """The request of each load job in flight on ``connector``'s worker side (vLLM's
+    ``OffloadingConnectorWorker`` keeps them privately; read here only)."""
+    worker = getattr(connector, "connector_worker", None)
+    jobs = getattr(worker, "_load_jobs", None)
+    return dict(jobs) if isinstance(jobs, dict) else {}
