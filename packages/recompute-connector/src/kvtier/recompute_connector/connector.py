@@ -27,6 +27,10 @@ The scheduler/worker protocol, and why it is correct under vLLM's step order:
   ``update_state_after_alloc`` maps host blocks onto the new device blocks and queues a
   load job. vLLM flags the step ``has_sync_kv_loads``, so the worker's ``start_load_kv``
   runs before the forward, and the compute stream waits for the load.
+* A model with several KV cache groups is restored asynchronously instead (``True``;
+  vLLM 0.32): the request waits for the load, which the worker reports finished in
+  ``get_transfer_results`` of the same step, or failed (``failed_recving``): vLLM then
+  recomputes it from the start, as it refuses block-level failures for such a model.
 * A failed load is reported from ``get_block_ids_with_load_errors`` in the same step;
   vLLM then recomputes from the first failed block (``kv_load_failure_policy``
   ``"recompute"``, which the connector sets on the configuration vLLM's scheduler reads:
@@ -315,6 +319,10 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._hash_block_size = 0
         self._groups = kv_groups(kv_cache_config)
         self._stats_every_step = not vllm_compat.binds_kv_cache_manager()
+        # Several KV cache groups: a failed restore can only be reported as a failed
+        # request, which vLLM accepts for restores it waits for (vllm_compat).
+        several_groups = len(self._groups) > 1
+        self._async_restores = several_groups and vllm_compat.request_level_load_failures()
         # Sliding-window and state groups retire blocks while a request runs.
         self._refresh_every_step = any(g.sliding_window or g.state for g in self._groups)
         if role == KVConnectorRole.SCHEDULER:
@@ -361,11 +369,19 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     else " (but vLLM's prefix caching is off, so blocks carry no hash and "
                     "nothing is shared: set enable_prefix_caching)",
                 )
+            if several_groups and not self._async_restores and self.scheduler.supported:
+                self.scheduler.supported = False
+                logger.warning(
+                    "kvtier: this vLLM cannot recompute a failed restore of a model with "
+                    "several KV cache groups (it reports failures per block only), so "
+                    "vLLM recomputes every preempted request of this model"
+                )
             _recompute_failed_restores(vllm_config)
         else:
             self.worker = RecomputeOffloadWorker(
                 self.config, bytes_per_block=self.block_bytes, rank=_rank(), log=logger
             )
+            self.worker.request_level_loads = self._async_restores
 
     # A best-effort cache: a preempted request with a pending copy is never
     # "delivered" elsewhere, so vLLM must not drop its in-flight output for us.
@@ -407,18 +423,23 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker is None:
             return set()
-        errors = self.worker.load_errors()
-        if errors and len(self._groups) > 1:
-            # vLLM raises on block-level load failures with several KV cache groups:
-            # restores are verified before they are claimed, so this is a copy failure.
-            logger.error(
-                "kvtier: a restore of %d device blocks failed on a model with several KV "
-                "cache groups, which vLLM cannot recompute; the requests using them may "
-                "generate wrong tokens",
-                len(errors),
-            )
-            return set()
-        return errors
+        # With request-level restores a failure is a failed request (below), never blocks.
+        return self.worker.load_errors()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None or not self._async_restores:
+            return None, None
+        finished, _ = self.worker.finished_loads()
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """The restores that finished this step; a failed one is also a failed receive,
+        which vLLM recomputes from the start (models with several KV cache groups)."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        if self.worker is not None and self._async_restores:
+            finished, failed = self.worker.finished_loads()
+        return vllm_compat.transfer_results(finished, failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker is None:
@@ -446,11 +467,6 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if not tokens:
             return tokens, False
         req_id = request.request_id
-        if self.config.fail_loads and len(self._groups) > 1:
-            # Test-only: with several KV cache groups a failed restore must not reach
-            # vLLM as failed blocks, so the injected failure is caught before the claim.
-            self.scheduler.refuse_restore(req_id, Fallback.LOAD_FAILED, "the restore would fail")
-            return 0, False
         extra = self.scheduler.uncounted_state_blocks(
             num_computed_tokens + tokens, request.num_tokens
         )
@@ -467,7 +483,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self._room_waits[req_id] = waited
                 return None, False  # ask again next step
         self._room_waits.pop(req_id, None)
-        return tokens, False
+        # Asynchronous where a failed restore must reach vLLM as a failed request.
+        return tokens, self._async_restores
 
     def _room_for(self, local_tokens: int, num_tokens: int, extra: int) -> bool | None:
         """Whether vLLM's free device blocks cover what a resume of ``num_tokens``

@@ -44,11 +44,14 @@ class StepPlan:
         unrestorable_device_blocks: device blocks the scheduler counted as restored but
             has no host copy for; the worker reports them as failed loads so vLLM
             recomputes them (never expected; a guard).
+        unrestorable_requests: the requests those blocks belong to, for restores that
+            fail as whole requests (models with several KV cache groups).
     """
 
     stores: list[TransferJob] = field(default_factory=list)
     loads: list[TransferJob] = field(default_factory=list)
     unrestorable_device_blocks: list[int] = field(default_factory=list)
+    unrestorable_requests: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (self.stores or self.loads or self.unrestorable_device_blocks)

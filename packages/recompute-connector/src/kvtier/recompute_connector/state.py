@@ -527,6 +527,7 @@ class RecomputeOffloadScheduler:
         device: list[int] = []
         host: list[int] = []
         state_hosts: list[int] = []
+        unrestorable = False
         for group, blocks, hosts in zip(self.groups, block_ids, state.host_blocks):
             bs = group.block_size
             if group.state:
@@ -538,6 +539,7 @@ class RecomputeOffloadScheduler:
                 targets = [b for b in blocks[first:] if b != self.null_block_id]
                 if h is None or not targets or blocks[first] == self.null_block_id:
                     self._plan.unrestorable_device_blocks.extend(targets)
+                    unrestorable = True
                     continue
                 device.extend(targets)
                 host.extend([h] * len(targets))
@@ -552,9 +554,12 @@ class RecomputeOffloadScheduler:
                 h = hosts[i] if i < len(hosts) else None
                 if h is None:
                     self._plan.unrestorable_device_blocks.append(dev)
+                    unrestorable = True
                     continue
                 device.append(dev)
                 host.append(h)
+        if unrestorable:
+            self._plan.unrestorable_requests.append(req_id)
         job = TransferJob(next(self._jobs), req_id, device, host, num_external_tokens, state_hosts)
         state.phase = Phase.LOADING
         state.job_id = job.job_id

@@ -86,6 +86,11 @@ class RecomputeOffloadWorker:
         self._pending: list[_Pending] = []
         self._report = WorkerReport()
         self._load_errors: set[int] = set()
+        # Restores that fail as whole requests (set by the connector for models with
+        # several KV cache groups, whose restores vLLM waits for asynchronously).
+        self.request_level_loads = False
+        self._loaded: set[str] = set()
+        self._failed_loads: set[str] = set()
         self.stats = TransferStats()
         self.unsupported = ""  # why the KV tensors could not be registered, if they could not
 
@@ -148,7 +153,10 @@ class RecomputeOffloadWorker:
     def run_loads(self, plan: StepPlan) -> None:
         """Copy resumed requests' host blocks to their new device blocks; the compute
         stream waits for them before the forward."""
-        self._load_errors.update(plan.unrestorable_device_blocks)
+        if self.request_level_loads:
+            self._failed_loads.update(plan.unrestorable_requests)
+        else:
+            self._load_errors.update(plan.unrestorable_device_blocks)
         for job in plan.loads:
             if self.config.corrupt_restores and self.region is not None and job.host_block_ids:
                 # Test-only: wrong KV must show up as wrong output. Where the job restores
@@ -185,6 +193,8 @@ class RecomputeOffloadWorker:
             ok = p.handle.wait() if p.handle is not None else False
             direction = "d2h" if p.kind == "store" else "h2d"
             self._report.record(p.kind, p.job.job_id, ok)
+            if p.kind == "load" and self.request_level_loads:
+                (self._loaded if ok else self._failed_loads).add(p.job.req_id)
             if ok:
                 n = len(p.job.device_block_ids)
                 self.stats.blocks[direction] += n
@@ -192,7 +202,7 @@ class RecomputeOffloadWorker:
                 self.stats.seconds[direction] += time.perf_counter() - p.started
             else:
                 self.stats.failures[direction] += 1
-                if p.kind == "load":
+                if p.kind == "load" and not self.request_level_loads:
                     self._load_errors.update(p.job.device_block_ids)
                 error = (
                     p.handle.error
@@ -214,6 +224,15 @@ class RecomputeOffloadWorker:
         self._collect()
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """With request-level loads: the requests whose restore finished since the last
+        call, and those of them whose restore failed (vLLM recomputes them). Every copy
+        of this rank has landed when this returns, so vLLM may reuse the blocks."""
+        self._collect()
+        failed, self._failed_loads = self._failed_loads, set()
+        loaded, self._loaded = self._loaded, set()
+        return loaded | failed, failed
 
     def take_report(self) -> WorkerReport | None:
         """Outcomes of every copy finished since the last call, or None."""
