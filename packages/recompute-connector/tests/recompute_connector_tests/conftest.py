@@ -1,11 +1,9 @@
 """Fixtures of the recompute connector's tests: reference runs of the forced-preemption
-workload. The fault-injection tests use the connector's test-only keys, which are refused
-unless ``KVTIER_ENABLE_TEST_KEYS`` is on; engines started by the tests (servers
-included) inherit it."""
+workload. Fault injection comes from ``kvtier.testkit.faults``, around in-process
+engines; the connector itself has no test-only key or branch."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,6 @@ from kvtier.testkit import (
     WorkloadResult,
     run_with,
 )
-
-os.environ.setdefault("KVTIER_ENABLE_TEST_KEYS", "1")
 
 MIN_PREEMPTIONS = 10
 

@@ -22,6 +22,7 @@ from kvtier.testkit import (
     requires_vllm,
     run_with,
 )
+from kvtier.testkit.faults import corrupted_restores, failing_copies
 
 from .e2e_support import (
     ConnectorRun,
@@ -115,11 +116,9 @@ def test_budget_too_small_for_any_request_falls_back_cleanly(
 
 def test_corrupted_restores_are_caught(tiny_model: Path, reference: WorkloadResult) -> None:
     """The harness is sharp: the same run with restored KV flipped must differ."""
-    run = run_connector(
-        tiny_model,
-        FORCED_PREEMPTION_WORKLOAD,
-        standalone(kvtier_test_corrupt_restores=True),
-    )
+    with corrupted_restores() as flipped:
+        run = run_connector(tiny_model, FORCED_PREEMPTION_WORKLOAD, standalone())
+    assert flipped["restore"] > 0
     assert run.counter("tokens_restored") > 0
     comparison = compare_outputs(reference.outputs, run.result.outputs)
     assert len(comparison.mismatches) >= 8, (
@@ -129,8 +128,9 @@ def test_corrupted_restores_are_caught(tiny_model: Path, reference: WorkloadResu
 
 def test_failed_restores_are_recomputed(tiny_model: Path, reference: WorkloadResult) -> None:
     # No kv_load_failure_policy: standalone, the connector makes vLLM recompute.
-    config = standalone(kvtier_test_fail_loads=True)
-    run = run_connector(tiny_model, FORCED_PREEMPTION_WORKLOAD, config)
+    with failing_copies(loads=True) as refused:
+        run = run_connector(tiny_model, FORCED_PREEMPTION_WORKLOAD, standalone())
+    assert refused["load"] > 0
     assert_identical(reference, run)
     assert run.fallbacks().get("load_failed", 0) > 0
     assert run.counter("tokens_restored") == 0

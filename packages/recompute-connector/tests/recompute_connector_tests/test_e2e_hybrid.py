@@ -26,6 +26,7 @@ from kvtier.testkit import (
     requires_vllm,
     run_with,
 )
+from kvtier.testkit.faults import corrupted_restores
 
 from .e2e_support import ConnectorRun, run_connector, standalone
 
@@ -125,7 +126,9 @@ def test_corrupted_linear_attention_state_changes_outputs(
     tiny_hybrid_model: Path, hybrid_reference: WorkloadResult
 ) -> None:
     """The harness is sharp: flipping only the restored recurrent states must show."""
-    run = hybrid_run(tiny_hybrid_model, kvtier_test_corrupt_restores=True)
+    with corrupted_restores() as flipped:
+        run = hybrid_run(tiny_hybrid_model)
+    assert flipped["restore"] > 0
     restored = run.counter("preemptions_offloaded")
     assert run.counter("tokens_restored") > 0
     comparison = compare_outputs(hybrid_reference.outputs, run.result.outputs)

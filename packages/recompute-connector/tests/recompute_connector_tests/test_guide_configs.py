@@ -20,6 +20,7 @@ from kvtier.testkit import (
     compare_outputs,
     requires_vllm,
 )
+from kvtier.testkit.faults import failing_copies
 
 from .e2e_support import run_connector
 
@@ -76,15 +77,14 @@ def test_guide_pd_configuration_recomputes_failed_restores(
 ) -> None:
     """The guide's P/D example sets no kv_load_failure_policy, and vLLM's default fails
     a request whose load failed: with every restore failing, outputs must still match."""
-    config = copy.deepcopy(GUIDE_MULTI)
-    ours = config["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
-    ours["kvtier_test_fail_loads"] = True
-    run = run_connector(
-        tiny_model,
-        FORCED_PREEMPTION_WORKLOAD,
-        config,
-        additional_config={"recompute_scheduler_enable": True},
-    )
+    with failing_copies(loads=True) as refused:
+        run = run_connector(
+            tiny_model,
+            FORCED_PREEMPTION_WORKLOAD,
+            copy.deepcopy(GUIDE_MULTI),
+            additional_config={"recompute_scheduler_enable": True},
+        )
+    assert refused["load"] > 0
     comparison = compare_outputs(reference.outputs, run.result.outputs)
     assert comparison.identical, comparison.report()
     assert len(run.result.outputs) == len(FORCED_PREEMPTION_WORKLOAD.prompts)

@@ -10,6 +10,7 @@ from kvtier.recompute_connector import (
     StepPlan,
     TransferJob,
 )
+from kvtier.testkit.faults import corrupted_restores, failing_copies
 
 NUM_BLOCKS = 8
 # vLLM's CPU platform: one [num_blocks, 2, block_size, heads * head_dim] float32 tensor per layer
@@ -57,17 +58,20 @@ def test_store_then_load_round_trips_every_byte() -> None:
 
 
 def test_failed_load_reports_its_device_blocks() -> None:
-    worker, _ = make_worker(kvtier_test_fail_loads=True)
+    worker, _ = make_worker()
     worker.run_stores([job(1, [1], [0])])
-    worker.run_loads(StepPlan(loads=[job(2, [4, 5], [0, 1])]))
+    with failing_copies(loads=True) as refused:
+        worker.run_loads(StepPlan(loads=[job(2, [4, 5], [0, 1])]))
+    assert refused["load"] == 1
     assert worker.load_errors() == {4, 5}
     report = worker.take_report()
     assert report is not None and report.loads == {2: [0, 1]} and report.stores == {1: [1, 0]}
 
 
 def test_failed_store_is_reported() -> None:
-    worker, _ = make_worker(kvtier_test_fail_stores=True)
-    worker.run_stores([job(1, [1], [0])])
+    worker, _ = make_worker()
+    with failing_copies(stores=True):
+        worker.run_stores([job(1, [1], [0])])
     report = worker.take_report()
     assert report is not None and report.stores == {1: [0, 1]}
 
@@ -86,11 +90,13 @@ def test_bad_plan_costs_a_failed_job_not_an_exception() -> None:
     assert report is not None and report.stores == {1: [0, 1]}
 
 
-def test_corruption_hook_changes_restored_kv() -> None:
-    worker, kv = make_worker(kvtier_test_corrupt_restores=True)
+def test_corrupted_restores_change_restored_kv() -> None:
+    worker, kv = make_worker()
     before = kv["layer0"][1].clone()
     worker.run_stores([job(1, [1], [0])])
-    worker.run_loads(StepPlan(loads=[job(2, [2], [0])]))
+    with corrupted_restores() as flipped:
+        worker.run_loads(StepPlan(loads=[job(2, [2], [0])]))
+    assert flipped["restore"] == 1
     assert not torch.equal(kv["layer0"][2], before), "corrupted restore left the KV intact"
 
 

@@ -20,7 +20,6 @@ from kvtier.blockpool import (
     require_positive_int,
 )
 from kvtier.blockpool import resolve_budget as _resolve_budget
-from kvtier.vllm_port.plugins import env_switch
 
 logger = logging.getLogger("kvtier.recompute_connector")
 
@@ -29,15 +28,6 @@ PREFIX_CACHING_KEY = "enable_offload_prefix_caching"
 SCHEDULER_FLAG_KEY = "recompute_scheduler_enable"  # in --additional-config
 # Device bytes per copy direction that transfers stage through (allocated at start-up).
 STAGING_KEY = "device_staging_bytes"
-# Test-only: flip bytes of host blocks before each restore (proves the tests are sharp).
-CORRUPT_KEY = "kvtier_test_corrupt_restores"
-# Test-only: make the worker's stores or loads fail (exercises the fallbacks end to end).
-FAIL_STORES_KEY = "kvtier_test_fail_stores"
-FAIL_LOADS_KEY = "kvtier_test_fail_loads"
-
-# The test-only keys are refused unless this switch is on (the tests turn it on).
-TEST_KEYS_SWITCH = "KVTIER_ENABLE_TEST_KEYS"
-TEST_KEY_PREFIX = "kvtier_test_"
 
 KNOWN_KEYS = frozenset(
     {
@@ -45,9 +35,6 @@ KNOWN_KEYS = frozenset(
         TOTAL_KEY,
         PREFIX_CACHING_KEY,
         STAGING_KEY,
-        CORRUPT_KEY,
-        FAIL_STORES_KEY,
-        FAIL_LOADS_KEY,
     }
 )
 SUPPORTED_ROLES = ("kv_consumer", "kv_both")
@@ -68,7 +55,6 @@ class RecomputeOffloadConfig:
             scheduler is used either way).
         device_staging_bytes: device bytes per copy direction that an accelerator's
             transfers stage through, allocated once at start-up (None: npu-copy's default).
-        corrupt_restores / fail_stores / fail_loads: test-only fault injection.
     """
 
     extra: Mapping[str, Any]
@@ -77,9 +63,6 @@ class RecomputeOffloadConfig:
     enable_offload_prefix_caching: bool = False
     scheduler_flag: bool = False
     device_staging_bytes: int | None = None
-    corrupt_restores: bool = False
-    fail_stores: bool = False
-    fail_loads: bool = False
 
     @classmethod
     def from_settings(
@@ -102,27 +85,13 @@ class RecomputeOffloadConfig:
         for key in (PER_RANK_KEY, TOTAL_KEY, STAGING_KEY):
             if extra.get(key) is not None:
                 require_positive_int(key, extra[key])
-        test_keys = sorted(k for k in extra if k.startswith(TEST_KEY_PREFIX))
-        if test_keys:
-            if not env_switch(TEST_KEYS_SWITCH, False, logger):
-                raise ValueError(
-                    f"kv_connector_extra_config key {test_keys[0]} is test-only (it makes "
-                    f"restores fail or corrupts them on purpose); it is refused unless "
-                    f"{TEST_KEYS_SWITCH}=1"
-                )
-            logger.error(
-                "kvtier: test-only keys %s are set (%s=1): restores fail or are corrupted "
-                "on purpose; never use them in production",
-                test_keys,
-                TEST_KEYS_SWITCH,
-            )
         unknown = sorted(k for k in extra if k not in KNOWN_KEYS)
         if unknown:
             logger.warning(
                 "kvtier: RecomputeCPUOffloadConnector ignores unknown kv_connector_extra_config "
                 "keys %s (known: %s)",
                 unknown,
-                sorted(k for k in KNOWN_KEYS if not k.startswith("kvtier_test")),
+                sorted(KNOWN_KEYS),
             )
         flag: Any = False
         if additional_config and isinstance(additional_config, Mapping):
@@ -136,9 +105,6 @@ class RecomputeOffloadConfig:
             ),
             scheduler_flag=require_bool(SCHEDULER_FLAG_KEY, flag),
             device_staging_bytes=extra.get(STAGING_KEY),
-            corrupt_restores=require_bool(CORRUPT_KEY, extra.get(CORRUPT_KEY, False)),
-            fail_stores=require_bool(FAIL_STORES_KEY, extra.get(FAIL_STORES_KEY, False)),
-            fail_loads=require_bool(FAIL_LOADS_KEY, extra.get(FAIL_LOADS_KEY, False)),
         )
 
     def resolve_budget(self, bytes_per_block: int) -> HostBudget:

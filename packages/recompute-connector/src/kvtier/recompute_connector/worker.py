@@ -158,20 +158,13 @@ class RecomputeOffloadWorker:
         else:
             self._load_errors.update(plan.unrestorable_device_blocks)
         for job in plan.loads:
-            if self.config.corrupt_restores and self.region is not None and job.host_block_ids:
-                # Test-only: wrong KV must show up as wrong output. Where the job restores
-                # a recurrent state, only the state is corrupted (its own sharpness check).
-                blocks = self.region.blocks
-                for h in sorted(set(job.state_host_block_ids or job.host_block_ids)):
-                    blocks[h].bitwise_not_()
             self._submit("load", job)
 
     def _submit(self, kind: str, job: TransferJob) -> None:
         started = time.perf_counter()
         engine = self.engine
-        inject = self.config.fail_stores if kind == "store" else self.config.fail_loads
         handle: TransferHandle | None = None
-        if engine is not None and not inject:
+        if engine is not None:
             try:
                 if kind == "store":
                     handle = engine.store(job.device_block_ids, job.host_block_ids)
@@ -207,7 +200,7 @@ class RecomputeOffloadWorker:
                 error = (
                     p.handle.error
                     if p.handle is not None
-                    else self.unsupported or "injected failure"
+                    else self.unsupported or "the copy could not be issued"
                 )
                 self.log.warning(
                     "kvtier: rank %d: %s of %d blocks for request %s failed (%s); "

@@ -8,6 +8,8 @@
 * :func:`run_script`, :func:`script_env`: a test package's script in a subprocess;
 * ``kvtier.testkit.offloading.offloading_config``: vLLM's ``OffloadingConfig`` without an
   engine;
+* ``kvtier.testkit.faults``: copies that fail and restores that are corrupted, injected
+  from outside kvtier's code;
 * ``kvtier.testkit.pytest_plugin``: session fixtures (``pytest_plugins = [...]``).
 
 Importing it never imports vLLM; the engine helpers import it when called.
