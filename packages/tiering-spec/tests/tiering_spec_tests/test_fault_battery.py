@@ -653,7 +653,14 @@ def test_a_model_rewritten_in_place_gets_misses_not_its_old_kv(
     assert second.files_indexed_at_start == 0, "the old model's files were indexed"
     cmp = compare_outputs(reference.outputs, got.outputs)
     assert cmp.identical, cmp.report()
-    assert second.reads > 0, "the new model's own files were not served"
+    assert second.writes > 0
+    # The new model's own files are served: a third engine indexes them at start-up.
+    # (Within the second run a repeat may come before its prefix's write has landed on
+    # a slow disk, and a lookup never waits for a write: that would test the disk.)
+    again, third = _run_with_fs_tier(model, tmp_path / "fs")
+    assert third.files_indexed_at_start > 0 and third.reads > 0, third
+    cmp = compare_outputs(reference.outputs, again.outputs)
+    assert cmp.identical, cmp.report()
 
 
 @pytest.mark.e2e

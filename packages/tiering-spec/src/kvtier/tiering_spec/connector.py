@@ -114,6 +114,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             failed = worker.take_load_errors()
             if not self._fail_requests:
                 errors |= failed
+                worker.take_failed_loads()  # reported as blocks: the job ids are not needed
         return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:
@@ -127,6 +128,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             req_id = requests.get(job_id)
             if req_id is not None:
                 self._failed_recving.add(req_id)
+            else:  # never expected: vLLM registers every load job before it runs
+                logger.error("kvtier: load job %d failed but vLLM names no request for it", job_id)
         return finished
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
