@@ -426,12 +426,6 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # With request-level restores a failure is a failed request (below), never blocks.
         return self.worker.load_errors()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self.worker is None or not self._async_restores:
-            return None, None
-        finished, _ = self.worker.finished_loads()
-        return None, finished or None
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """The restores that finished this step; a failed one is also a failed receive,
         which vLLM recomputes from the start (models with several KV cache groups)."""

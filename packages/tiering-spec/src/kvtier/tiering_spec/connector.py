@@ -110,11 +110,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = set(super().get_block_ids_with_load_errors())
         worker = self._kvtier_worker()
-        if worker is not None:
-            failed = worker.take_load_errors()
-            if not self._fail_requests:
-                errors |= failed
-                worker.take_failed_loads()  # reported as blocks: the job ids are not needed
+        if worker is not None and not self._fail_requests:
+            # (With request-level failures get_finished takes them as requests.)
+            for device_ids in worker.take_failed_loads().values():
+                errors.update(device_ids)
         return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:

@@ -801,8 +801,7 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
         self._skipped: list[int] = []
         self._refused: list[int] = []
         self._load_blocks: dict[int, list[int]] = {}  # load job -> device block ids
-        self._load_errors: set[int] = set()
-        self._failed_loads: list[int] = []
+        self._failed_loads: dict[int, list[int]] = {}  # failed load job -> device block ids
         self._failed_stores: list[int] = []
         self._logged: set[str] = set()
 
@@ -871,21 +870,16 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
             if not ok and self.failures_reported:
                 ok = True  # for vLLM, which asserts; the connector learns the truth
                 if device_ids is not None:
-                    self._load_errors.update(device_ids)
-                    self._failed_loads.append(job_id)
+                    self._failed_loads[job_id] = device_ids
                 else:
                     self._failed_stores.append(job_id)
             results.append(compat.transfer_result(job_id, ok, nbytes, seconds))
         return results
 
-    def take_load_errors(self) -> set[int]:
-        """Device block ids of failed loads since the last call (to recompute)."""
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def take_failed_loads(self) -> list[int]:
-        """Load jobs that failed since the last call (their requests to recompute)."""
-        failed, self._failed_loads = self._failed_loads, []
+    def take_failed_loads(self) -> dict[int, list[int]]:
+        """Load jobs that failed since the last call, with their device block ids: the
+        connector reports the blocks, or the jobs' requests, for vLLM to recompute."""
+        failed, self._failed_loads = self._failed_loads, {}
         return failed
 
     def take_failed_stores(self) -> list[int]:
