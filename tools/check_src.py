@@ -38,9 +38,9 @@ FACTORY = re.compile(r"factory", re.IGNORECASE)
 ALLOWED: dict[str, dict[str, str]] = {
     "frame read": {
         "packages/recompute-connector/src/kvtier/recompute_connector/vllm_compat.py": (
-            "vLLM 0.23 has no bind_kv_cache_manager, and MultiConnector hands a child a "
-            "private copy of the configuration: the scheduler and the parent are found "
-            "from the caller"
+            "MultiConnector hands a child a private copy of the configuration, and "
+            "vLLM's scheduler reads kv_load_failure_policy from the parent's: the parent "
+            "is found from the caller"
         ),
     },
     "class under a branch": {},

@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier.recompute_connector import vllm_compat
+from kvtier.recompute_connector.block_tables import BlockTableMirror
 from kvtier.recompute_connector.config import RecomputeOffloadConfig
 from kvtier.recompute_connector.metrics import (
     RecomputeOffloadPromMetrics,
@@ -208,7 +209,18 @@ def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
         supported = kind in ("FullAttentionSpec", "SlidingWindowSpec") or (
             hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size")
         )
-        groups.append(KVGroup(int(spec.block_size), int(window) if window else None, supported))
+        lineage = {c.__name__ for c in type(spec).__mro__}
+        mirrorable = bool(lineage & {"FullAttentionSpec", "SlidingWindowSpec"}) and not (
+            lineage & {"ChunkedLocalAttentionSpec"}
+        )
+        groups.append(
+            KVGroup(
+                int(spec.block_size),
+                int(window) if window else None,
+                supported,
+                mirrorable=mirrorable,
+            )
+        )
     return groups
 
 
@@ -325,6 +337,11 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._async_restores = several_groups and vllm_compat.request_level_load_failures()
         # Sliding-window and state groups retire blocks while a request runs.
         self._refresh_every_step = any(g.sliding_window or g.state for g in self._groups)
+        # vLLM 0.32 hands the scheduler side its KV cache manager to read block tables
+        # from; where it does not (0.23), the tables are rebuilt from its outputs.
+        self._kv_cache_manager: Any = None
+        self._gpu_block_pool: Any = None
+        self._mirror = BlockTableMirror(self._groups)
         if role == KVConnectorRole.SCHEDULER:
             budget = self.config.resolve_budget(self.block_bytes)
             self.scheduler = RecomputeOffloadScheduler(
@@ -485,8 +502,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         tokens after a ``local_tokens`` prefix-cache hit allocates, ``extra`` state
         blocks it does not count included (blocks of every group); None when that is
         unknown or more than the device has."""
-        manager = getattr(self, "_kv_cache_manager", None)
-        pool = getattr(manager, "block_pool", None)
+        manager = self._kv_cache_manager
+        pool = getattr(manager, "block_pool", None) or self._gpu_block_pool
         if pool is None:
             return None
         need = extra
@@ -509,15 +526,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.on_allocated(req_id, blocks.get_block_ids(), local, num_external_tokens)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        # vLLM releases without bind_kv_cache_manager (0.23): see vllm_compat.
-        if getattr(self, "_kv_cache_manager", None) is None and self.scheduler is not None:
-            manager = vllm_compat.scheduler_kv_cache_manager()
-            if manager is None:
-                logger.warning(
-                    "kvtier: the scheduler's KV cache manager was not found; block tables "
-                    "are read from scheduler outputs (new and resumed requests only)"
-                )
-            self._kv_cache_manager = manager
+        # vLLM releases without bind_kv_cache_manager (0.23): free blocks are read here.
+        self._gpu_block_pool = gpu_block_pool
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         sched = self.scheduler
@@ -529,34 +539,22 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 # Preempted outside schedule() (a prefix-cache reset) and admitted again
                 # in this step, from scratch: its old blocks are gone, nothing to keep.
                 sched.running.pop(req_id, None)
-                continue
-            sched.on_preempted(req_id, *self._block_hashes(req_id))
-        manager = getattr(self, "_kv_cache_manager", None)
+            else:
+                sched.on_preempted(req_id, *self._block_hashes(req_id))
+            self._mirror.forget(req_id)
         for new in scheduler_output.scheduled_new_reqs:
-            self._observe(
-                sched,
-                manager,
-                new.req_id,
-                new.block_ids,
-                new.num_computed_tokens,
-                num_scheduled,
-                True,
-            )
+            self._mirror.replace(new.req_id, new.block_ids)
+            self._observe(sched, new.req_id, new.num_computed_tokens, num_scheduled, True)
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
         for i, req_id in enumerate(cached.req_ids):
-            changed = req_id in resumed or bool(
-                cached.new_block_ids[i] and any(cached.new_block_ids[i])
-            )
-            self._observe(
-                sched,
-                manager,
-                req_id,
-                None,
-                cached.num_computed_tokens[i],
-                num_scheduled,
-                changed,
-            )
+            new_blocks = cached.new_block_ids[i]
+            if req_id in resumed:
+                self._mirror.replace(req_id, new_blocks or ())
+            elif not self._mirror.append(req_id, new_blocks):
+                self._mirror.forget(req_id)
+            changed = req_id in resumed or bool(new_blocks and any(new_blocks))
+            self._observe(sched, req_id, cached.num_computed_tokens[i], num_scheduled, changed)
         return RecomputeConnectorMetadata(sched.build_step_plan())
 
     def _block_hashes(self, req_id: str) -> tuple[list[list[bytes]] | None, int | None]:
@@ -576,9 +574,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def _observe(
         self,
         sched: RecomputeOffloadScheduler,
-        manager: Any,
         req_id: str,
-        block_ids: Any,
         num_computed: int,
         num_scheduled: dict[str, int],
         changed: bool,
@@ -588,8 +584,11 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if known is not None and not changed and not self._refresh_every_step:
             known.kv_tokens = num_computed + n
             return
-        if manager is not None:
-            block_ids = manager.get_block_ids(req_id)
+        block_ids: Any = None
+        if self._kv_cache_manager is not None:
+            block_ids = self._kv_cache_manager.get_block_ids(req_id)
+        elif self._mirror.supported:
+            block_ids = self._mirror.table(req_id, num_computed + n)
         if block_ids is None:
             # Its block table changed and cannot be read: a copy would miss blocks, so
             # the request is no longer tracked and a preemption recomputes it.
@@ -609,6 +608,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._local_hits.pop(request.request_id, None)
             self._room_waits.pop(request.request_id, None)
             self._requests.pop(request.request_id, None)
+            self._mirror.forget(request.request_id)
             self.scheduler.on_finished(request.request_id)
         return False, None
 

@@ -87,12 +87,15 @@ class KVGroup:
             Mamba), in the block of the request's last computed token, as vLLM's
             ``mamba_cache_mode="align"`` keeps it: only that block is kept, and a
             restore resumes at exactly the token the state was kept at.
+        mirrorable: its block tables follow from the scheduler's outputs (full
+            attention, sliding window; see ``block_tables``).
     """
 
     block_size: int
     sliding_window: int | None = None
     supported: bool = True
     state: bool = False
+    mirrorable: bool = True
 
 
 @dataclass(eq=False)

@@ -4,8 +4,8 @@ Every difference is detected from vLLM's own classes, not from version numbers:
 
 * **Block tables.** vLLM 0.32 hands a connector the scheduler's ``KVCacheManager``
   (``bind_kv_cache_manager``), from which the connector reads each request's device
-  blocks. Older releases (0.23) only call ``bind_gpu_block_pool`` from the scheduler's
-  constructor; the manager is then taken from that constructor's ``self``.
+  blocks. Older releases (0.23) only hand it the block pool (``bind_gpu_block_pool``);
+  the tables are then rebuilt from the scheduler's outputs (``block_tables``).
 * **Failed restores of models with several KV cache groups.** Block ids are unique only
   within a group there, and vLLM refuses block-level load failures for such a model
   (0.32 raises; 0.23 cannot unpack the block table). vLLM 0.32 takes a failed load as
@@ -62,18 +62,3 @@ def calling_object(matches: Callable[[Any], bool], max_depth: int = 8) -> Any:
         if owner is not None and matches(owner):
             return owner
     return None
-
-
-def scheduler_kv_cache_manager() -> Any:
-    """The ``kv_cache_manager`` of the scheduler whose constructor is calling, or None.
-
-    For vLLM releases without ``bind_kv_cache_manager``: called from the connector's
-    ``bind_gpu_block_pool``, which the scheduler's constructor calls (directly, or
-    through ``MultiConnector``) once its ``KVCacheManager`` exists.
-    """
-
-    def has_manager(owner: Any) -> bool:
-        return hasattr(getattr(owner, "kv_cache_manager", None), "get_block_ids")
-
-    scheduler = calling_object(has_manager)
-    return None if scheduler is None else scheduler.kv_cache_manager
