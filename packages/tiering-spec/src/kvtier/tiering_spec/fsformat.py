@@ -50,6 +50,7 @@ from typing import Any
 import xxhash
 
 from kvtier.tiering_spec import auth
+from kvtier.tiering_spec.tiers.base import TierFault
 
 MAGIC = b"KVTIERKV"
 FORMAT_VERSION = 1
@@ -72,12 +73,12 @@ _FLAGS_OFFSET = 14
 class FormatError(Exception):
     """A file that is not a valid block file for this layout and key.
 
-    ``kind`` is ``"corrupt"`` (bad magic, version, flags, checksum, fingerprint or
-    key), ``"truncated"`` (shorter than its header says) or ``"unauthenticated"``
+    ``kind`` is ``CORRUPT`` (bad magic, version, flags, checksum, fingerprint or
+    key), ``TRUNCATED`` (shorter than its header says) or ``UNAUTHENTICATED``
     (no MAC, or a MAC that does not check, where a key is configured).
     """
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: TierFault, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
@@ -131,44 +132,44 @@ def encode_header(
 
 def check_mac(header: Any, payload: Any, auth_key: bytes) -> None:
     """Check the MAC of a header that :func:`decode_header` accepted against
-    ``payload`` (the whole payload). Raises ``FormatError("unauthenticated", ...)``
+    ``payload`` (the whole payload). Raises ``FormatError(TierFault.UNAUTHENTICATED, ...)``
     when the header has no MAC or it does not match."""
     raw = bytes(header[:HEADER_USED_MAC])
     if len(raw) < HEADER_USED_MAC:
-        raise FormatError("truncated", f"header of {len(raw)} bytes")
+        raise FormatError(TierFault.TRUNCATED, f"header of {len(raw)} bytes")
     (flags,) = struct.unpack_from("<H", raw, _FLAGS_OFFSET)
     if not flags & FLAG_MAC:
-        raise FormatError("unauthenticated", "no MAC, and a key is configured")
+        raise FormatError(TierFault.UNAUTHENTICATED, "no MAC, and a key is configured")
     if not auth.mac_matches(auth_key, raw[:MAC_OFFSET], payload, raw[MAC_OFFSET:]):
-        raise FormatError("unauthenticated", "MAC mismatch (another key, or forged)")
+        raise FormatError(TierFault.UNAUTHENTICATED, "MAC mismatch (another key, or forged)")
 
 
 def decode_header(header: Any, *, fingerprint: bytes, digest: bytes, payload_len: int) -> int:
     """Check a header against what the reader expects; return the payload checksum.
 
-    Raises ``FormatError("corrupt", ...)`` for any mismatch. The MAC, if any, is not
+    Raises ``FormatError(TierFault.CORRUPT, ...)`` for any mismatch. The MAC, if any, is not
     checked here: a reader with a key calls :func:`check_mac` too.
     """
     raw = bytes(header[:HEADER_USED])
     if len(raw) < HEADER_USED:
-        raise FormatError("truncated", f"header of {len(raw)} bytes")
+        raise FormatError(TierFault.TRUNCATED, f"header of {len(raw)} bytes")
     head = raw[: _HEADER.size]
     (stored_header_crc,) = _HEADER_CRC.unpack(raw[_HEADER.size : HEADER_USED])
     if zlib.crc32(head) & 0xFFFFFFFF != stored_header_crc:
-        raise FormatError("corrupt", "header checksum mismatch")
+        raise FormatError(TierFault.CORRUPT, "header checksum mismatch")
     magic, version, hsize, algo, flags, fp, dg, plen, crc = _HEADER.unpack(head)
     if magic != MAGIC:
-        raise FormatError("corrupt", f"bad magic {magic!r}")
+        raise FormatError(TierFault.CORRUPT, f"bad magic {magic!r}")
     if flags & ~FLAG_MAC:
-        raise FormatError("corrupt", f"unknown header flags {flags:#x}")
+        raise FormatError(TierFault.CORRUPT, f"unknown header flags {flags:#x}")
     if version != FORMAT_VERSION or hsize != HEADER_SIZE or algo != CHECKSUM_XXH3_64:
-        raise FormatError("corrupt", f"unsupported format {version}/{hsize}/{algo}")
+        raise FormatError(TierFault.CORRUPT, f"unsupported format {version}/{hsize}/{algo}")
     if fp != fingerprint:
-        raise FormatError("corrupt", "layout fingerprint differs from this engine's")
+        raise FormatError(TierFault.CORRUPT, "layout fingerprint differs from this engine's")
     if dg != digest:
-        raise FormatError("corrupt", "file holds another key")
+        raise FormatError(TierFault.CORRUPT, "file holds another key")
     if plen != payload_len:
-        raise FormatError("corrupt", f"payload length {plen}, expected {payload_len}")
+        raise FormatError(TierFault.CORRUPT, f"payload length {plen}, expected {payload_len}")
     return int(crc)
 
 

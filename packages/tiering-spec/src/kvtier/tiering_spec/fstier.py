@@ -51,6 +51,7 @@ from kvtier.tiering_spec.fsdirs import TierDirs
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
     SecondaryTier,
+    TierFault,
     TierResult,
     TierStats,
     count_down,
@@ -62,7 +63,12 @@ logger = logging.getLogger("kvtier.tiering_spec")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Faults whose file is removed at once: damaged, or not this tier's.
-_REMOVED_FAULTS = ("corrupt", "truncated", "foreign", "unauthenticated")
+_REMOVED_FAULTS = (
+    TierFault.CORRUPT,
+    TierFault.TRUNCATED,
+    TierFault.FOREIGN,
+    TierFault.UNAUTHENTICATED,
+)
 # Without capacity_bytes the tier may fill this share of the free space it found.
 DEFAULT_FREE_FRACTION = 0.5
 # How often the background thread looks for files written by other engines.
@@ -214,7 +220,7 @@ class FileSystemTier(SecondaryTier):
         self._reusing: dict[bytes, bytes] = {}
         self._results: deque[TierResult] = deque()
         self._inflight = 0
-        self._faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
+        self._faults: dict[str, int] = dict.fromkeys(map(str, FAULT_KINDS), 0)
         self._fault_logged: set[str] = set()
         self.stats = TierStats()
         self._local = threading.local()
@@ -534,16 +540,16 @@ class FileSystemTier(SecondaryTier):
                     self.stats.record(res)
                     if self.enable_events:
                         self._events.append((False, [res.key]))
-                elif res.fault == "disk_full" and self._retry_on_full_disk(res, digest):
+                elif res.fault == TierFault.DISK_FULL and self._retry_on_full_disk(res, digest):
                     continue
                 else:
-                    self._fault(res.fault or "write_failed", res)
+                    self._fault(res.fault or TierFault.WRITE_FAILED, res)
             else:
                 count_down(self._reading, digest)
                 if res.ok:
                     self.stats.record(res)
                 else:
-                    self._fault(res.fault or "unreadable", res)
+                    self._fault(res.fault or TierFault.UNREADABLE, res)
                     # A bad file is removed so it is never tried again; an unreadable
                     # one may be another process's, so it is only forgotten.
                     self._forget(digest, res.key, unlink=res.fault in _REMOVED_FAULTS)
@@ -585,7 +591,7 @@ class FileSystemTier(SecondaryTier):
             self.capacity_bytes = lowered
         if not self._make_room(self.entry_bytes)[0]:
             return False
-        self._fault("disk_full", res)
+        self._fault(TierFault.DISK_FULL, res)
         self._retried.add(digest)
         self._writing.add(digest)
         self._index.reserved += self.entry_bytes
@@ -612,7 +618,7 @@ class FileSystemTier(SecondaryTier):
                 target,
             )
 
-    def _fault(self, kind: str, res: TierResult) -> None:
+    def _fault(self, kind: TierFault, res: TierResult) -> None:
         self._faults[kind] = self._faults.get(kind, 0) + 1
         if kind not in self._fault_logged:
             self._fault_logged.add(kind)
@@ -700,7 +706,7 @@ class FileSystemTier(SecondaryTier):
         # Evicted files not taken over (one found changed, or a write failed first)
         # are removed; a taken-over one no longer has its name.
         leftover = list(range(self.world_size)) if reuse is not None else []
-        fault: str | None = None
+        fault: TierFault | None = None
         try:
             for rank in range(self.world_size):
                 tmp = self._tmp_name()
@@ -714,11 +720,15 @@ class FileSystemTier(SecondaryTier):
                 self._write_file(rank, shard, name, tmp, fd, fp, digest, payload)
                 done.append(rank)
         except OSError as exc:
-            fault = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "write_failed"
-            if fault == "disk_full":
+            fault = (
+                TierFault.DISK_FULL
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                else TierFault.WRITE_FAILED
+            )
+            if fault == TierFault.DISK_FULL:
                 self._free_seen = _free_bytes(self.fsdirs.root)
         except Exception:
-            fault = "write_failed"
+            fault = TierFault.WRITE_FAILED
         if fault is not None:
             self._remove(shard, name, done)
         else:
@@ -857,7 +867,7 @@ class FileSystemTier(SecondaryTier):
         self, key: bytes, digest: bytes, block_id: int, views: Sequence[memoryview]
     ) -> None:
         t0 = time.perf_counter()
-        fault: str | None = None
+        fault: TierFault | None = None
         shard, name = self._where(digest)
         try:
             for rank in range(self.world_size):
@@ -872,12 +882,12 @@ class FileSystemTier(SecondaryTier):
         except fsformat.FormatError as exc:
             fault = exc.kind
         except FileNotFoundError:
-            fault = "vanished"
+            fault = TierFault.VANISHED
         except OSError as exc:
             # O_NOFOLLOW refuses a symlink planted under the block's name with ELOOP.
-            fault = "foreign" if exc.errno == errno.ELOOP else "unreadable"
+            fault = TierFault.FOREIGN if exc.errno == errno.ELOOP else TierFault.UNREADABLE
         except Exception:
-            fault = "unreadable"
+            fault = TierFault.UNREADABLE
         self._results.append(
             TierResult(
                 "read",
@@ -931,25 +941,25 @@ class FileSystemTier(SecondaryTier):
             st = os.fstat(fd)
             why = foreign(st)
             if why is not None:
-                raise fsformat.FormatError("foreign", why)
+                raise fsformat.FormatError(TierFault.FOREIGN, why)
             want = self.file_bytes
             got = _preadv(fd, [hdr, payload, tail], 0)
             while got < want:
                 if got < fsformat.HEADER_SIZE:
-                    raise fsformat.FormatError("truncated", "short header read")
+                    raise fsformat.FormatError(TierFault.TRUNCATED, "short header read")
                 n = _preadv(fd, [payload[got - fsformat.HEADER_SIZE :], tail], got)
                 if n <= 0:
-                    raise fsformat.FormatError("truncated", f"{got} of {want} bytes")
+                    raise fsformat.FormatError(TierFault.TRUNCATED, f"{got} of {want} bytes")
                 got += n
             if got > want:
-                raise fsformat.FormatError("corrupt", f"longer than {want} bytes")
+                raise fsformat.FormatError(TierFault.CORRUPT, f"longer than {want} bytes")
         finally:
             os.close(fd)
         crc = fsformat.decode_header(
             hdr, fingerprint=fingerprint, digest=digest, payload_len=self.payload_bytes
         )
         if fsformat.checksum(payload) != crc:
-            raise fsformat.FormatError("corrupt", "payload checksum mismatch")
+            raise fsformat.FormatError(TierFault.CORRUPT, "payload checksum mismatch")
         if self._key is not None:
             fsformat.check_mac(hdr, payload, self._key)
 

@@ -35,7 +35,7 @@ from kvtier.blockpool import (
     StoreAdmissionFilter,
 )
 from kvtier.tiering_spec.fsformat import key_digest
-from kvtier.tiering_spec.tiers.base import SecondaryTier
+from kvtier.tiering_spec.tiers.base import SecondaryTier, TierFault
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -296,7 +296,7 @@ class TierManager:
                 if res.op == "read":
                     if self._promoting.pop(res.key, None) is None:
                         continue
-                    if res.fault == "timeout":
+                    if res.fault == TierFault.TIMEOUT:
                         # The call may still write into the block: keep it reserved
                         # until the tier releases it; the lookup misses meanwhile.
                         self._held.add(res.key)

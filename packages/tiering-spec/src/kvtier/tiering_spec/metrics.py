@@ -333,7 +333,7 @@ class MetricsEmitter:
             yield "counter", TIER_EVICTIONS, evicted, lab
             yield "counter", FS_EVICTIONS, evicted, lab
             for kind in FAULT_KINDS:
-                fl = (tier.name, kind)
+                fl = (tier.name, str(kind))
                 failed = self._delta(TIER_FAULTS, fl, faults[kind])
                 yield "counter", TIER_FAULTS, failed, fl
                 yield "counter", FS_FAULTS, failed, fl

@@ -59,6 +59,7 @@ from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
     SecondaryTier,
+    TierFault,
     TierResult,
     TierStats,
     count_down,
@@ -207,7 +208,7 @@ class StoreTier(SecondaryTier):
         self._headers_addr = _address(self._headers_view)
 
         self.stats = TierStats()
-        self._faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
+        self._faults: dict[str, int] = dict.fromkeys(map(str, FAULT_KINDS), 0)
         self._fault_logged: set[str] = set()
         self._index: OrderedDict[bytes, bytes | None] = OrderedDict()  # digest -> key
         self._absent: dict[bytes, float] = {}  # digest -> when it may be asked again
@@ -315,9 +316,9 @@ class StoreTier(SecondaryTier):
                 continue
             op, key, _digest, block = item
             self._unfinished -= 1
-            self._results.append(TierResult(op, key, block, False, "timeout"))
+            self._results.append(TierResult(op, key, block, False, TierFault.TIMEOUT))
             if op == "read":
-                self._results.append(TierResult("release", key, block, False, "timeout"))
+                self._results.append(TierResult("release", key, block, False, TierFault.TIMEOUT))
 
     def _connect_loop(self) -> None:
         """Connect, then register the host regions once they are mapped. Registering
@@ -338,7 +339,7 @@ class StoreTier(SecondaryTier):
                 delay = REGION_POLL_S  # the regions are not mapped yet
             except Exception as exc:
                 self._outcomes.append(
-                    ("unreachable", f"connecting failed: {type(exc).__name__}: {exc}")
+                    (TierFault.UNREACHABLE, f"connecting failed: {type(exc).__name__}: {exc}")
                 )
                 delay = max(delay, self.cfg.backoff_min_s)
                 self._stop.wait(delay)
@@ -478,15 +479,15 @@ class StoreTier(SecondaryTier):
                     self.stats.record(res)
                     if self.cfg.enable_kv_events:
                         self._events.append((False, [res.key]))
-                elif res.fault != "timeout":  # a timeout was counted when abandoned
-                    self._fault(res.fault or "write_failed", res)
+                elif res.fault != TierFault.TIMEOUT:  # a timeout was counted when abandoned
+                    self._fault(res.fault or TierFault.WRITE_FAILED, res)
             else:
                 count_down(self._reading, digest)
                 if res.ok:
                     self.stats.record(res)
                 else:
-                    if res.fault != "timeout":
-                        self._fault(res.fault or "unreadable", res)
+                    if res.fault != TierFault.TIMEOUT:
+                        self._fault(res.fault or TierFault.UNREADABLE, res)
                     self._forget(digest, res.key)
             out.append(res)
         self.stats.used_bytes = self.used_bytes
@@ -514,12 +515,14 @@ class StoreTier(SecondaryTier):
                             continue
                         started = op == "write" or call.running in ("read", "remove")
                         if op == "read":
-                            self._results.append(TierResult("read", key, block, False, "timeout"))
+                            self._results.append(
+                                TierResult("read", key, block, False, TierFault.TIMEOUT)
+                            )
                             if not started:
                                 self._release(call, i)
                         else:
                             self._parked += 1  # pinned until the put returns
-                self._outcomes.append(("timeout", f"{what} past its deadline"))
+                self._outcomes.append((TierFault.TIMEOUT, f"{what} past its deadline"))
                 if not self._spawn(call.kind):
                     self._fail_queued(call.kind)
 
@@ -531,9 +534,9 @@ class StoreTier(SecondaryTier):
         self._unfinished -= 1
         if op == "write":
             self._parked -= 1  # parked when abandoned
-            self._results.append(TierResult("write", key, block, False, "timeout"))
+            self._results.append(TierResult("write", key, block, False, TierFault.TIMEOUT))
         else:
-            self._results.append(TierResult("release", key, block, False, "timeout"))
+            self._results.append(TierResult("release", key, block, False, TierFault.TIMEOUT))
 
     def touch(self, digests: Sequence[bytes]) -> None:
         """``digests`` were used (head first): the head ends the newest in the index
@@ -554,7 +557,7 @@ class StoreTier(SecondaryTier):
         if self.cfg.enable_kv_events and (known or key):
             self._events.append((True, [known or key]))  # type: ignore[list-item]
 
-    def _fault(self, kind: str, res: TierResult) -> None:
+    def _fault(self, kind: TierFault, res: TierResult) -> None:
         self._faults[kind] = self._faults.get(kind, 0) + 1
         if kind not in self._fault_logged:
             self._fault_logged.add(kind)
@@ -594,8 +597,8 @@ class StoreTier(SecondaryTier):
 
     def _timed_out(self, what: str) -> None:
         super()._timed_out(what)
-        if "timeout" not in self._fault_logged:
-            self._fault_logged.add("timeout")
+        if TierFault.TIMEOUT not in self._fault_logged:
+            self._fault_logged.add(TierFault.TIMEOUT)
             logger.warning(
                 "kvtier store tier %r: %s past the time limit; the engine goes on without "
                 "it (metric vllm:kvtier_tier_faults{tier=%r,kind='timeout'})",
@@ -723,10 +726,10 @@ class StoreTier(SecondaryTier):
                 raise RuntimeError(f"{len(codes)} codes for {n} objects")
         except Exception as exc:  # the client raised: the store is unusable for now
             codes = [-1] * n
-            self._outcomes.append(("unreachable", f"{op}: {type(exc).__name__}: {exc}"))
+            self._outcomes.append((TierFault.UNREACHABLE, f"{op}: {type(exc).__name__}: {exc}"))
             return codes
         if codes and all(c < 0 and c != OBJECT_NOT_FOUND for c in codes):
-            self._outcomes.append(("unreachable", f"{op} returned {codes[0]}"))
+            self._outcomes.append((TierFault.UNREACHABLE, f"{op} returned {codes[0]}"))
         elif not call.abandoned:  # a late answer does not end the back-off
             self._outcomes.append((None, ""))
         return codes
@@ -781,12 +784,13 @@ class StoreTier(SecondaryTier):
         for i, (_, key, digest, block) in enumerate(batch):
             mine = codes[i * self.copies : (i + 1) * self.copies]
             if op == "write":
-                fault = None if all(c == 0 for c in mine) else "write_failed"
+                fault = None if all(c == 0 for c in mine) else TierFault.WRITE_FAILED
             elif late:
-                fault = "timeout"  # never checked: reported failed already
+                fault = TierFault.TIMEOUT  # never checked: reported failed already
             else:
                 fault = self._check_read(base + i * self.copies, digest, block, mine)
-                if fault in ("corrupt", "unauthenticated"):  # so no engine tries it again
+                # Removed, so that no engine tries it again.
+                if fault in (TierFault.CORRUPT, TierFault.UNAUTHENTICATED):
                     corrupt += self.object_keys(digest)
             results.append(
                 TierResult(
@@ -811,26 +815,28 @@ class StoreTier(SecondaryTier):
                 elif op == "write":  # returned late: counted, never trusted
                     self._parked -= 1
                     self._results.append(
-                        TierResult("write", res.key, res.block_id, False, "timeout")
+                        TierResult("write", res.key, res.block_id, False, TierFault.TIMEOUT)
                     )
                 else:  # the block was reported failed; the manager may reuse it now
                     self._results.append(
-                        TierResult("release", res.key, res.block_id, False, "timeout")
+                        TierResult("release", res.key, res.block_id, False, TierFault.TIMEOUT)
                     )
         if corrupt and not call.abandoned:
             self._store_call(
                 call, "remove", lambda: client.batch_remove(corrupt, True), len(corrupt)
             )
 
-    def _check_read(self, first: int, digest: bytes, block: int, codes: list[int]) -> str | None:
+    def _check_read(
+        self, first: int, digest: bytes, block: int, codes: list[int]
+    ) -> TierFault | None:
         """The fault of one read whose header pages start at page ``first`` (None if
         every copy arrived intact and, with a key, authenticated)."""
         if any(c == OBJECT_NOT_FOUND for c in codes):
-            return "vanished"
+            return TierFault.VANISHED
         if any(c < 0 for c in codes):
-            return "unreadable"
+            return TierFault.UNREADABLE
         if any(c != self.object_bytes for c in codes):
-            return "corrupt"
+            return TierFault.CORRUPT
         views = self._views
         assert views is not None
         hsize = fsformat.HEADER_SIZE
@@ -849,9 +855,13 @@ class StoreTier(SecondaryTier):
                 if self._key is not None:
                     fsformat.check_mac(page, data, self._key)
             except fsformat.FormatError as exc:
-                return "unauthenticated" if exc.kind == "unauthenticated" else "corrupt"
+                return (
+                    TierFault.UNAUTHENTICATED
+                    if exc.kind == TierFault.UNAUTHENTICATED
+                    else TierFault.CORRUPT
+                )
             if fsformat.checksum(data) != crc:
-                return "corrupt"
+                return TierFault.CORRUPT
         return None
 
     def _serve_probes(self) -> None:
@@ -861,7 +871,7 @@ class StoreTier(SecondaryTier):
             client = self.client
             if client is None:
                 codes = [-1] * len(keys)
-                self._outcomes.append(("unreachable", "existence check: not connected"))
+                self._outcomes.append((TierFault.UNREACHABLE, "existence check: not connected"))
             else:
                 codes = self._store_call(
                     call, "probe", partial(client.batch_is_exist, keys), len(keys)

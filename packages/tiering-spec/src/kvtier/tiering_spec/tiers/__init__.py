@@ -9,9 +9,17 @@ engines' files in :mod:`kvtier.tiering_spec.tiers.fs_scan`), the Mooncake Store 
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
     SecondaryTier,
+    TierFault,
     TierResult,
     TierStats,
     count_down,
 )
 
-__all__ = ["FAULT_KINDS", "SecondaryTier", "TierResult", "TierStats", "count_down"]
+__all__ = [
+    "FAULT_KINDS",
+    "SecondaryTier",
+    "TierFault",
+    "TierResult",
+    "TierStats",
+    "count_down",
+]

@@ -3,6 +3,7 @@ job, the counters, and the kinds of fault a tier counts."""
 
 from __future__ import annotations
 
+import enum
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -10,19 +11,33 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-FAULT_KINDS = (
-    "corrupt",
-    "truncated",
-    "vanished",
-    "unreadable",
-    "disk_full",
-    "write_failed",
-    "timeout",
-    "unreachable",  # a store tier's store did not answer
-    "foreign",  # a file this tier did not write: another owner, a link, no regular file
-    "unauthenticated",  # no valid MAC where a key is configured (auth_key_file)
-)
-"""Fault kinds every tier counts (``vllm:kvtier_fs_faults{tier,kind}``)."""
+
+class TierFault(str, enum.Enum):
+    """The kinds of fault a secondary tier counts (``vllm:kvtier_fs_faults{tier,kind}``).
+
+    Each member is its own string (``TierFault.CORRUPT == "corrupt"``, the same hash and
+    ``str``), so metric labels, logs and counters keyed by the plain name read alike.
+    """
+
+    CORRUPT = "corrupt"  # bad magic, version, checksum, fingerprint or key
+    TRUNCATED = "truncated"  # shorter than its header says
+    VANISHED = "vanished"  # gone between lookup and read
+    UNREADABLE = "unreadable"  # an I/O error on read
+    DISK_FULL = "disk_full"  # ENOSPC or EDQUOT on write
+    WRITE_FAILED = "write_failed"  # any other failed write
+    TIMEOUT = "timeout"  # past its deadline
+    UNREACHABLE = "unreachable"  # a store tier's store did not answer
+    FOREIGN = "foreign"  # a file this tier did not write: another owner, a link, no regular file
+    UNAUTHENTICATED = "unauthenticated"  # no valid MAC where a key is configured
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+FAULT_KINDS: tuple[TierFault, ...] = tuple(TierFault)
+"""Every fault kind, in the order the metrics list them."""
 
 
 @dataclass
@@ -33,7 +48,7 @@ class TierResult:
     key: bytes
     block_id: int
     ok: bool
-    fault: str | None = None
+    fault: TierFault | None = None
     nbytes: int = 0
     seconds: float = 0.0
 
