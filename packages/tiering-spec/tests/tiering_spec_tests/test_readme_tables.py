@@ -1,56 +1,36 @@
-"""The README's configuration tables and the keys config.py accepts are the same
-keys: a key added to one and not the other fails here."""
+"""The README's configuration tables are the schemas' tables: a key, a default or an
+allowed value changed in one and not the other fails here
+(``python tools/readme_tables.py --write`` rewrites the README from the schemas)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from kvtier.tiering_spec import config
+from kvtier.vllm_port.schema import Schema, readme_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def key_tables() -> dict[str, set[str]]:
-    """Each ``| key | ...`` table of the README, by the first line of the paragraph
-    above it: the names in backticks in its first column."""
-    lines = README.read_text().splitlines()
-    tables: dict[str, set[str]] = {}
-    keys: set[str] | None = None
-    for i, line in enumerate(lines):
-        if line.startswith("| key |"):
-            start = i - 2
-            while start > 0 and lines[start - 1].strip():
-                start -= 1
-            keys = tables.setdefault(lines[start], set())
-        elif keys is not None and line.startswith("|"):
-            if not line.startswith("| ---"):
-                keys.update(re.findall(r"`([a-z_]+)`", line.split("|")[1]))
-        else:
-            keys = None
-    return tables
-
-
-def table_after(heading: str) -> set[str]:
-    found = [keys for title, keys in key_tables().items() if heading in title]
-    assert len(found) == 1, f"one table after a line with {heading!r}, found {len(found)}"
-    return found[0]
-
-
 @pytest.mark.parametrize(
-    ("heading", "schema"),
-    [
-        ("## Configuration (`kv_connector_extra_config`)", set(config.KNOWN_KEYS)),
-        ("An `fs` tier entry", set(config._FS_KEYS)),
-        ("A `mooncake` tier entry", set(config._MOONCAKE_KEYS)),
-    ],
-    ids=["top-level", "fs", "mooncake"],
+    "schema",
+    [config.SPEC_SCHEMA, config.FS_TIER_SCHEMA, config.MOONCAKE_TIER_SCHEMA],
+    ids=lambda s: s.name,
 )
-def test_each_readme_table_lists_exactly_the_keys_config_accepts(
-    heading: str, schema: set[str]
-) -> None:
-    documented = table_after(heading)
-    assert not schema - documented, f"accepted but not in the README: {sorted(schema - documented)}"
-    assert not documented - schema, f"in the README but refused: {sorted(documented - schema)}"
+def test_each_readme_table_is_its_schema(schema: Schema) -> None:
+    documented = readme_table(README.read_text(), schema.name)
+    assert documented is not None, f"README has no <!-- schema:{schema.name} --> table"
+    assert documented == schema.table(), "run: python tools/readme_tables.py --write"
+
+
+def test_the_schemas_are_what_the_parser_knows() -> None:
+    assert config.SPEC_SCHEMA.names() == config.KNOWN_KEYS
+    entry = {"type": "fs", "root_dir": "/tmp/x"}
+    parsed = config.parse_fs_tier(entry, "t", check_paths=False)
+    defaults = config.FS_TIER_SCHEMA.parse(entry, "t")
+    for key in ("n_read_threads", "n_write_threads", "eviction_policy", "locality"):
+        assert getattr(parsed, key) == defaults[key], key
+    with pytest.raises(config.ConfigError, match=r"t: unknown key\(s\) \['colour'\]"):
+        config.parse_fs_tier({**entry, "colour": 1}, "t", check_paths=False)

@@ -20,6 +20,7 @@ from kvtier.blockpool import (
     require_positive_int,
 )
 from kvtier.blockpool import resolve_budget as _resolve_budget
+from kvtier.vllm_port.schema import Bool, Int, Key, Schema
 
 logger = logging.getLogger("kvtier.recompute_connector")
 
@@ -29,14 +30,48 @@ SCHEDULER_FLAG_KEY = "recompute_scheduler_enable"  # in --additional-config
 # Device bytes per copy direction that transfers stage through (allocated at start-up).
 STAGING_KEY = "device_staging_bytes"
 
-KNOWN_KEYS = frozenset(
-    {
-        PER_RANK_KEY,
-        TOTAL_KEY,
-        PREFIX_CACHING_KEY,
-        STAGING_KEY,
-    }
+# kv_connector_extra_config of the connector (the guide's names).
+CONNECTOR_SCHEMA = Schema(
+    "recompute-connector",
+    (
+        Key(
+            PER_RANK_KEY,
+            Int(1),
+            "Host bytes for each rank (tensor/pipeline-parallel worker). Wins when set. "
+            "Recommended.",
+            default_words="unset",
+        ),
+        Key(
+            TOTAL_KEY,
+            Int(1),
+            "Host bytes for all ranks of this instance together, divided by the world size "
+            "(tensor \u00d7 pipeline parallel).",
+            default_words=f"8 GiB ({DEFAULT_TOTAL_BYTES})",
+        ),
+        Key(
+            STAGING_KEY,
+            Int(1),
+            "Device memory per copy direction that NPU/GPU copies stage through, allocated "
+            "once at start-up (logged); larger transfers go through it in pieces, so a "
+            "preemption never allocates device memory. Must hold one block. Unused on vLLM's "
+            "CPU platform.",
+            default_words="32 MiB (33554432)",
+        ),
+        Key(
+            PREFIX_CACHING_KEY,
+            Bool(),
+            "Host block sharing: a full block with a prefix-cache hash is kept on host once, "
+            "shared by reference between preempted requests; a request whose full blocks are "
+            "on host already (stored for another request) adds references instead of copying "
+            "them. Partial and unhashed blocks stay private. Needs vLLM's prefix caching (the "
+            "hashes come from it; without it nothing is shared, logged at start-up). The "
+            "device prefix cache is used either way: tokens it holds are not restored.",
+            False,
+        ),
+    ),
+    columns=("key", "default", "meaning"),
 )
+KNOWN_KEYS = CONNECTOR_SCHEMA.names()
 SUPPORTED_ROLES = ("kv_consumer", "kv_both")
 
 
@@ -82,10 +117,8 @@ class RecomputeOffloadConfig:
                 "kv_producer node has nothing to resume)"
             )
         world_size = require_positive_int("world_size", world_size)
-        for key in (PER_RANK_KEY, TOTAL_KEY, STAGING_KEY):
-            if extra.get(key) is not None:
-                require_positive_int(key, extra[key])
-        unknown = sorted(k for k in extra if k not in KNOWN_KEYS)
+        values = CONNECTOR_SCHEMA.parse(extra)
+        unknown = CONNECTOR_SCHEMA.unknown(extra)
         if unknown:
             logger.warning(
                 "kvtier: RecomputeCPUOffloadConnector ignores unknown kv_connector_extra_config "
@@ -100,11 +133,9 @@ class RecomputeOffloadConfig:
             extra=extra,
             world_size=world_size,
             kv_role=kv_role,
-            enable_offload_prefix_caching=require_bool(
-                PREFIX_CACHING_KEY, extra.get(PREFIX_CACHING_KEY, False)
-            ),
+            enable_offload_prefix_caching=values[PREFIX_CACHING_KEY],
             scheduler_flag=require_bool(SCHEDULER_FLAG_KEY, flag),
-            device_staging_bytes=extra.get(STAGING_KEY),
+            device_staging_bytes=values[STAGING_KEY],
         )
 
     def resolve_budget(self, bytes_per_block: int) -> HostBudget:

@@ -15,13 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.blockpool import (
-    DEFAULT_MAX_TRACKER_SIZE,
-    PER_RANK_KEY,
-    TOTAL_KEY,
-    require_bool,
-    require_positive_int,
-)
+from kvtier.blockpool import DEFAULT_MAX_TRACKER_SIZE, PER_RANK_KEY, TOTAL_KEY
+from kvtier.vllm_port.schema import REQUIRED, Bool, Check, Choice, Int, Key, Schema, Text, accept
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -29,55 +24,7 @@ EVICTION_POLICIES = ("lru", "arc", "frecency")
 TIER_TYPES = ("fs", "mooncake")
 DEFAULT_IO_THREADS = 16  # vLLM's fs tier default, so a copied configuration behaves alike
 MAX_IO_THREADS = 256
-# Top-level keys of kv_connector_extra_config that kvtier's specs or vLLM's
-# OffloadingConnector read; any other is warned about by name.
-KNOWN_KEYS = frozenset(
-    {
-        PER_RANK_KEY,
-        TOTAL_KEY,
-        "blocks_per_chunk",
-        "block_size",
-        "eviction_policy",
-        "cache_policy_module_path",
-        "store_threshold",
-        "max_tracker_size",
-        "secondary_tiers",
-        "model_identity",
-        "spec_name",
-        "spec_module_path",
-        "offload_prompt_only",
-        "canonical_layout",
-        "self_describing_kv_events",
-    }
-)
-_FS_KEYS = (
-    "type",
-    "root_dir",
-    "n_read_threads",
-    "n_write_threads",
-    "capacity_bytes",
-    "eviction_policy",
-    "enable_kv_events",
-    "locality",
-    "auth_key_file",
-    # vLLM's tiering keys that kvtier accepts and does not need.
-    "backpressure",
-    "module_path",
-)
 LOCALITIES = ("LOCAL", "REMOTE")
-_MOONCAKE_KEYS = (
-    "type",
-    "master_server_address",
-    "metadata_server",
-    "protocol",
-    "local_hostname",
-    "global_segment_size",
-    "local_buffer_size",
-    "device_name",
-    "enable_kv_events",
-    "locality",
-    "auth_key_file",
-)
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 
 
@@ -85,24 +32,315 @@ class ConfigError(ValueError):
     """A bad ``kv_connector_extra_config`` value; the message names the key."""
 
 
-def _int(key: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
-    """``value`` as an int in ``[minimum, maximum]``; integral floats (``8e9``) are
-    accepted, strings are not (as in the recompute connector)."""
-    try:
-        number = require_positive_int(key, value, allow_zero=minimum <= 0)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if number < minimum or (maximum is not None and number > maximum):
-        upper = f" and <= {maximum}" if maximum is not None else ""
-        raise ConfigError(f"{key} must be an integer >= {minimum}{upper}, got {value!r}")
-    return number
+def _policy_module(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"{key} must be 'package.module:Class' (or vLLM's 'package.module' with the class "
+            f"in eviction_policy), got {value!r}"
+        )
+    return value
 
 
-def _bool(key: str, value: Any) -> bool:
-    try:
-        return require_bool(key, value)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+def _tier_list(key: str, value: Any) -> tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(
+            f"{key} must be a list of tier dicts like "
+            f'{{"type": "fs", "root_dir": "/path"}}, got {type(value).__name__}'
+        )
+    return tuple(value)
+
+
+def _model_identity(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(
+            f"{key} must be a non-empty string that changes whenever the model's weights "
+            f"change (for example 'llama3-8b@2026-11-02'), got {value!r}"
+        )
+    return value
+
+
+def _false_only(key: str, value: Any) -> bool:
+    if Bool().parse(key, value):
+        raise ConfigError(
+            f"{key} is not supported by kvtier's offloading specs; remove it (allowed: false)"
+        )
+    return False
+
+
+def _host_port(key: str, value: Any) -> str:
+    host, _, port = str(value).rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"{key} must be 'HOST:PORT' (the mooncake_master RPC address, for example "
+            f"'10.0.0.1:50051'), got {value!r}"
+        )
+    return str(value)
+
+
+def _metadata_server(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not (
+        value == "P2PHANDSHAKE" or value.startswith(("http://", "https://"))
+    ):
+        raise ConfigError(
+            f"{key} must be 'http://HOST:PORT/metadata' (for example the master's, started "
+            f"with --enable_http_metadata_server=true) or 'P2PHANDSHAKE', got {value!r}"
+        )
+    return value
+
+
+_AUTH_KEY_FILE_WORDS = (
+    "path of a regular file of this user, not a symlink, mode 0600 (no group or other "
+    "bits), ≥ 32 bytes (e.g. `head -c 64 /dev/urandom > FILE; chmod 600 FILE`)"
+)
+_AUTH_KEY_FILE = Text(
+    words="the path (string) of a file of this user, mode 0600, holding the secret shared "
+    "by every engine of the tier"
+)
+
+# kv_connector_extra_config of kvtier's specs: the keys they or vLLM's OffloadingConnector
+# read; any other is warned about by name.
+SPEC_SCHEMA = Schema(
+    "spec",
+    (
+        Key(
+            TOTAL_KEY,
+            Int(1),
+            "host bytes for all ranks together (divided by the world size; all of it for "
+            "the one copy of KV replicated across ranks)",
+            default_words="**required** (or the next key)",
+        ),
+        Key(PER_RANK_KEY, Int(1), "host bytes per rank; wins over the total"),
+        Key(
+            "blocks_per_chunk",
+            Int(1),
+            "device blocks per offloaded chunk (one host block, one file)",
+            default_words="`1`",
+        ),
+        Key(
+            "block_size",
+            Int(1),
+            "the chunk in tokens instead; a multiple of the device block size",
+            allowed_words="integer ≥ 1; not with `blocks_per_chunk`",
+        ),
+        Key(
+            "eviction_policy",
+            Check(accept, ""),
+            "host tier eviction",
+            "frecency",
+            allowed_words="`frecency`, `lru`, `arc`; a name registered with vLLM's "
+            "`CachePolicyFactory`; with `cache_policy_module_path` set to a module, the "
+            "class's name in it (vLLM's convention)",
+        ),
+        Key(
+            "cache_policy_module_path",
+            Check(_policy_module, "importable class"),
+            "your own policy: a kvtier policy class (`insert`, `touch`, `remove`, `evict`) "
+            "or a vLLM `CachePolicy` subclass, as `pkg.module:Class`, or vLLM's `pkg.module` "
+            "with the class in `eviction_policy`",
+        ),
+        Key(
+            "store_threshold",
+            Int(0),
+            "offers a chunk needs before it is stored (CPU spec only, as in vLLM)",
+            0,
+            allowed_words="integer ≥ 0; below 2 disables",
+        ),
+        Key(
+            "max_tracker_size",
+            Int(1),
+            "chunks the admission filter remembers",
+            DEFAULT_MAX_TRACKER_SIZE,
+        ),
+        Key("offload_prompt_only", Bool(), "vLLM's: offload prompt blocks only", True),
+        Key(
+            "secondary_tiers",
+            Check(_tier_list, "list of tier dicts"),
+            "tiers behind the host tier (`TieringOffloadingSpec`)",
+            (),
+            default_words="`[]`",
+        ),
+        Key(
+            "model_identity",
+            Check(_model_identity, "non-empty string"),
+            "a name for the model's weights that you change whenever they change; replaces "
+            "kvtier's digest of the weight files in the fs tier's fingerprint (for weights "
+            "kvtier cannot read, such as a remote loader's)",
+            default_words="digest of the files",
+        ),
+        Key(
+            "spec_name",
+            Check(accept, "a registered spec name"),
+            "vLLM's: which spec the `OffloadingConnector` builds (see "
+            "[Which class a spec name gets](#which-class-a-spec-name-gets))",
+            default_words="`CPUOffloadingSpec`",
+        ),
+        Key(
+            "spec_module_path",
+            Check(accept, "an importable module"),
+            "vLLM's: the module of a spec that is not registered",
+        ),
+        Key(
+            "self_describing_kv_events",
+            Bool(),
+            "vLLM's `OffloadingConnector` option for the payload of its `BlockStored` events "
+            "(when KV events are on), left to vLLM; kvtier checks it is a boolean",
+            False,
+        ),
+        Key(
+            "canonical_layout",
+            Check(_false_only, "`false`"),
+            "vLLM's canonical KV layout; kvtier's specs refuse it at start-up (see "
+            "[Compatibility](#compatibility))",
+            False,
+        ),
+    ),
+    error=ConfigError,
+)
+KNOWN_KEYS = SPEC_SCHEMA.names()
+
+# One {"type": "fs", ...} entry of secondary_tiers.
+FS_TIER_SCHEMA = Schema(
+    "fs-tier",
+    (
+        Key("type", Choice(("fs",)), "tier type", REQUIRED),
+        Key(
+            "root_dir",
+            Text(words="a directory path (string) for the tier's files"),
+            "directory for the block files; created with mode 0700",
+            REQUIRED,
+            allowed_words="creatable, writable directory",
+        ),
+        Key(
+            "n_read_threads",
+            Int(1, MAX_IO_THREADS),
+            "I/O threads for promotions",
+            DEFAULT_IO_THREADS,
+        ),
+        Key(
+            "n_write_threads", Int(1, MAX_IO_THREADS), "I/O threads for writes", DEFAULT_IO_THREADS
+        ),
+        Key(
+            "capacity_bytes",
+            Int(1),
+            "bytes of files this engine keeps; the eviction policy picks which go first",
+            allowed_words="integer ≥ one entry (a 4096-byte header plus one chunk, per rank)",
+            default_words="half of the filesystem's free space at start, plus what this "
+            "tier's files already hold (logged)",
+        ),
+        Key(
+            "eviction_policy",
+            Choice(EVICTION_POLICIES),
+            "which files go first when the tier is full: the host tier's policies, applied "
+            "to the files. The tier counts as uses the blocks requests stored and those it "
+            "served itself, not the host tier's hits, so a copy the host tier serves goes "
+            "before a block the host tier has dropped",
+            "frecency",
+        ),
+        Key(
+            "enable_kv_events",
+            Bool(),
+            "publish KV events for this tier (when KV events are on)",
+            True,
+        ),
+        Key("locality", Choice(LOCALITIES, fold_case=True), "reported in KV events", "LOCAL"),
+        Key(
+            "auth_key_file",
+            _AUTH_KEY_FILE,
+            "a file holding a secret shared by every engine of the folder: each file then "
+            "carries a MAC over its header and payload, and only files with a valid MAC are "
+            'loaded (others: a miss, `kind="unauthenticated"`, removed). For a shared '
+            "filesystem where the uid does not prove who wrote a file (NFS without Kerberos "
+            "trusts the uid a client asserts); files must still be this user's",
+            allowed_words=_AUTH_KEY_FILE_WORDS,
+            default_words="none",
+        ),
+        Key(
+            "backpressure",
+            Check(accept, "—"),
+            "vLLM's tiering key: accepted so that a configuration written for vLLM's fs tier "
+            "starts, not needed by kvtier's",
+        ),
+        Key(
+            "module_path",
+            Check(accept, "—"),
+            "vLLM's tiering key: accepted so that a configuration written for vLLM's fs tier "
+            "starts, not needed by kvtier's",
+        ),
+    ),
+    error=ConfigError,
+)
+
+# One {"type": "mooncake", ...} entry of secondary_tiers.
+MOONCAKE_TIER_SCHEMA = Schema(
+    "mooncake-tier",
+    (
+        Key("type", Choice(("mooncake",)), "tier type", REQUIRED),
+        Key(
+            "master_server_address",
+            Check(_host_port, "`HOST:PORT`"),
+            "the `mooncake_master` RPC address",
+            REQUIRED,
+        ),
+        Key(
+            "metadata_server",
+            Check(
+                _metadata_server,
+                "`http://HOST:PORT/metadata` (the master's, with "
+                "`--enable_http_metadata_server=true`) or `P2PHANDSHAKE`",
+            ),
+            "the transfer engine's metadata service",
+            REQUIRED,
+        ),
+        Key("protocol", Choice(MOONCAKE_PROTOCOLS), "transport", "tcp"),
+        Key(
+            "device_name",
+            Text(nonempty=False, words="a string naming the RDMA device(s) (e.g. `mlx5_0`)"),
+            "RDMA device(s); required with `rdma`",
+            "",
+            default_words='`""`',
+        ),
+        Key(
+            "local_hostname",
+            Text(nonempty=False, words="this machine's address as other clients reach it"),
+            "this machine's address as the other clients reach it",
+            "",
+            allowed_words="string",
+            default_words="the host name",
+        ),
+        Key(
+            "global_segment_size",
+            Int(0),
+            "bytes of the engine's memory lent to the store (objects put there vanish with the "
+            "engine; `0` lends none)",
+            1 << 30,
+            default_words="1 GiB",
+        ),
+        Key(
+            "local_buffer_size",
+            Int(0),
+            "bytes of the client's own transfer buffer",
+            64 << 20,
+            default_words="64 MiB",
+        ),
+        Key(
+            "enable_kv_events",
+            Bool(),
+            "publish KV events for this tier (when KV events are on)",
+            True,
+        ),
+        Key("locality", Choice(LOCALITIES, fold_case=True), "reported in KV events", "REMOTE"),
+        Key(
+            "auth_key_file",
+            _AUTH_KEY_FILE,
+            "a file holding the secret every engine of the store shares: each object then "
+            "carries a MAC over its header and payload, and only objects with a valid MAC are "
+            "loaded; without it every client of the master is trusted",
+            allowed_words=_AUTH_KEY_FILE_WORDS,
+            default_words="none",
+        ),
+    ),
+    error=ConfigError,
+)
 
 
 @dataclass(frozen=True)
@@ -207,7 +445,7 @@ def parse_config(
     if not isinstance(extra, Mapping):
         raise ConfigError(f"kv_connector_extra_config must be a dict, got {type(extra).__name__}")
     spec = "TieringOffloadingSpec" if tiering else "CPUOffloadingSpec"
-    unknown = sorted(str(k) for k in extra if k not in KNOWN_KEYS)
+    unknown = SPEC_SCHEMA.unknown(extra)
     if unknown:
         logger.warning(
             "kvtier %s ignores unknown kv_connector_extra_config key(s) %s; known keys: %s",
@@ -215,103 +453,70 @@ def parse_config(
             unknown,
             ", ".join(sorted(KNOWN_KEYS)),
         )
-    for key in ("offload_prompt_only", "self_describing_kv_events"):
-        if key in extra:
-            _bool(key, extra[key])  # vLLM reads these with bool(): "false" would be true
-    budget: dict[str, int] = {}
-    if extra.get(PER_RANK_KEY) is not None:
-        budget[PER_RANK_KEY] = _int(PER_RANK_KEY, extra[PER_RANK_KEY], minimum=1)
-    if extra.get(TOTAL_KEY) is not None:
-        budget[TOTAL_KEY] = _int(TOTAL_KEY, extra[TOTAL_KEY], minimum=1)
+    values = SPEC_SCHEMA.parse(extra)
+    budget = {k: values[k] for k in (PER_RANK_KEY, TOTAL_KEY) if values[k] is not None}
     if not budget:
         raise ConfigError(
             f"{TOTAL_KEY} is required by {spec}: set it in kv_connector_extra_config to the "
             "bytes of host memory for all ranks together (for example 8 * (1 << 30)), or set "
             f"{PER_RANK_KEY} to the bytes for each rank"
         )
-
-    bpc = extra.get("blocks_per_chunk")
-    bsz = extra.get("block_size")
-    if bpc is not None and bsz is not None:
+    if values["blocks_per_chunk"] is not None and values["block_size"] is not None:
         raise ConfigError(
             "blocks_per_chunk and block_size are mutually exclusive: set blocks_per_chunk "
-            f"(device blocks per offloaded chunk) or block_size (tokens), got {bpc!r} and {bsz!r}"
+            "(device blocks per offloaded chunk) or block_size (tokens), got "
+            f"{values['blocks_per_chunk']!r} and {values['block_size']!r}"
         )
-    blocks_per_chunk = _int("blocks_per_chunk", bpc, minimum=1) if bpc is not None else None
-    block_size = _int("block_size", bsz, minimum=1) if bsz is not None else None
-
-    module_path = extra.get("cache_policy_module_path")
-    if module_path is not None and (not isinstance(module_path, str) or not module_path):
-        raise ConfigError(
-            "cache_policy_module_path must be 'package.module:Class' (or vLLM's 'package.module' "
-            f"with the class in eviction_policy), got {module_path!r}"
-        )
-    policy = extra.get("eviction_policy", "frecency")
+    module_path = values["cache_policy_module_path"]
+    policy = values["eviction_policy"]
     if module_path is None and policy not in EVICTION_POLICIES:
         from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
 
         resolve_vllm_policy(policy, None)  # a name vLLM's CachePolicyFactory knows, or an error
-    store_threshold = _int("store_threshold", extra.get("store_threshold", 0), minimum=0)
+    store_threshold = values["store_threshold"]
     if tiering and store_threshold >= 2:
         raise ConfigError(
             f"store_threshold={store_threshold} is not supported by TieringOffloadingSpec "
             "(as in vLLM): every stored block is written through to the secondary tiers. "
             "Allowed: 0 or 1 (no filter); use CPUOffloadingSpec for an admission filter"
         )
-    max_tracker_size = _int(
-        "max_tracker_size", extra.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE), minimum=1
-    )
-    if _bool("canonical_layout", extra.get("canonical_layout", False)):
-        raise ConfigError(
-            "canonical_layout is not supported by kvtier's offloading specs; remove it "
-            "(allowed: false)"
-        )
-
-    tiers_raw = extra.get("secondary_tiers", [])
-    if tiers_raw is None:
-        tiers_raw = []
-    if not isinstance(tiers_raw, (list, tuple)):
-        raise ConfigError(
-            f"secondary_tiers must be a list of tier dicts like "
-            f'{{"type": "fs", "root_dir": "/path"}}, got {type(tiers_raw).__name__}'
-        )
+    tiers_raw = values["secondary_tiers"]
     if tiers_raw and not tiering:
         raise ConfigError(
             "secondary_tiers is only used by TieringOffloadingSpec; set spec_name to "
             "TieringOffloadingSpec or remove secondary_tiers"
         )
     tiers = tuple(
-        parse_mooncake_tier(t, f"secondary_tiers[{i}]", check_paths=check_paths)
-        if isinstance(t, Mapping) and t.get("type") == "mooncake"
-        else parse_fs_tier(t, f"secondary_tiers[{i}]", check_paths=check_paths)
+        parse_tier(t, f"secondary_tiers[{i}]", check_paths=check_paths)
         for i, t in enumerate(tiers_raw)
     )
-    model_identity = extra.get("model_identity")
-    if model_identity is not None and (
-        not isinstance(model_identity, str) or not model_identity.strip()
-    ):
-        raise ConfigError(
-            "model_identity must be a non-empty string that changes whenever the model's "
-            f"weights change (for example 'llama3-8b@2026-11-02'), got {model_identity!r}"
-        )
     roots = [os.path.realpath(t.root_dir) for t in tiers if isinstance(t, FsTierConfig)]
     if len(set(roots)) != len(roots):
         raise ConfigError(f"secondary_tiers: two fs tiers share one root_dir ({roots})")
     return OffloadConfig(
         budget=budget,
-        blocks_per_chunk=blocks_per_chunk,
-        block_size=block_size,
+        blocks_per_chunk=values["blocks_per_chunk"],
+        block_size=values["block_size"],
         eviction_policy=str(policy),
         cache_policy_module_path=module_path,
         store_threshold=store_threshold,
-        max_tracker_size=max_tracker_size,
+        max_tracker_size=values["max_tracker_size"],
         secondary_tiers=tiers,
-        model_identity=model_identity,
+        model_identity=values["model_identity"],
     )
 
 
-def parse_fs_tier(raw: Any, where: str, *, check_paths: bool = True) -> FsTierConfig:
-    """Validate one secondary tier entry; ``where`` names it in errors."""
+def parse_tier(
+    raw: Any, where: str, *, check_paths: bool = True
+) -> FsTierConfig | MooncakeTierConfig:
+    """Validate one ``secondary_tiers`` entry by its ``type``; ``where`` names it in
+    errors."""
+    if _tier_type(raw, where) == "mooncake":
+        return parse_mooncake_tier(raw, where, check_paths=check_paths)
+    return parse_fs_tier(raw, where, check_paths=check_paths)
+
+
+def _tier_type(raw: Any, where: str) -> str:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where} must be a dict with a 'type' key, got {raw!r}")
     kind = raw.get("type")
@@ -319,83 +524,50 @@ def parse_fs_tier(raw: Any, where: str, *, check_paths: bool = True) -> FsTierCo
         raise ConfigError(
             f"{where}.type must be one of {', '.join(TIER_TYPES)} (kvtier's tiers), got {kind!r}"
         )
-    unknown = sorted(set(raw) - set(_FS_KEYS))
+    return str(kind)
+
+
+def _entry(schema: Schema, raw: Mapping[str, Any], where: str, tier: str) -> dict[str, Any]:
+    unknown = schema.unknown(raw)
     if unknown:
         raise ConfigError(
-            f"{where}: unknown key(s) {unknown} for an fs tier; allowed: {', '.join(_FS_KEYS)}"
+            f"{where}: unknown key(s) {unknown} for {tier} tier; allowed: "
+            f"{', '.join(k.name for k in schema.keys)}"
         )
-    root = raw.get("root_dir")
-    if not isinstance(root, str) or not root.strip():
-        raise ConfigError(
-            f"{where}.root_dir is required: a directory path (string) for the tier's files, "
-            f"got {root!r}"
-        )
-    root = os.path.abspath(os.path.expanduser(root))
-    capacity = raw.get("capacity_bytes")
-    locality = str(raw.get("locality") or "LOCAL").upper()
-    if locality not in LOCALITIES:
-        raise ConfigError(f"{where}.locality must be one of {LOCALITIES}, got {locality!r}")
-    policy = raw.get("eviction_policy", "frecency")
-    if policy not in EVICTION_POLICIES:
-        raise ConfigError(
-            f"{where}.eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}"
-        )
+    return schema.parse(raw, where)
+
+
+def parse_fs_tier(raw: Any, where: str, *, check_paths: bool = True) -> FsTierConfig:
+    """Validate one ``{"type": "fs", ...}`` entry; ``where`` names it in errors."""
+    _tier_type(raw, where)
+    values = _entry(FS_TIER_SCHEMA, raw, where, "an fs")
     cfg = FsTierConfig(
-        root_dir=root,
-        n_read_threads=_int(
-            f"{where}.n_read_threads",
-            raw.get("n_read_threads", DEFAULT_IO_THREADS),
-            minimum=1,
-            maximum=MAX_IO_THREADS,
-        ),
-        n_write_threads=_int(
-            f"{where}.n_write_threads",
-            raw.get("n_write_threads", DEFAULT_IO_THREADS),
-            minimum=1,
-            maximum=MAX_IO_THREADS,
-        ),
-        capacity_bytes=(
-            _int(f"{where}.capacity_bytes", capacity, minimum=1) if capacity is not None else None
-        ),
-        eviction_policy=policy,
-        enable_kv_events=_bool(f"{where}.enable_kv_events", raw.get("enable_kv_events", True)),
-        locality=locality,
-        auth_key_file=_auth_key_file(raw, where, check_paths=check_paths),
+        root_dir=os.path.abspath(os.path.expanduser(values["root_dir"])),
+        n_read_threads=values["n_read_threads"],
+        n_write_threads=values["n_write_threads"],
+        capacity_bytes=values["capacity_bytes"],
+        eviction_policy=values["eviction_policy"],
+        enable_kv_events=values["enable_kv_events"],
+        locality=values["locality"],
+        auth_key_file=_auth_key_file(values["auth_key_file"], where, check_paths=check_paths),
     )
     if check_paths:
         check_directory(cfg.root_dir, f"{where}.root_dir")
     return cfg
 
 
-def _auth_key_file(raw: Mapping[str, Any], where: str, *, check_paths: bool) -> str | None:
+def _auth_key_file(value: str | None, where: str, *, check_paths: bool) -> str | None:
     """The validated ``auth_key_file`` of a tier entry (an absolute path), or None.
     With ``check_paths`` the file is read and checked as the tier will (see
     ``kvtier.tiering_spec.auth.load_auth_key``); the key itself is not kept here."""
-    value = raw.get("auth_key_file")
     if value is None:
         return None
-    key = f"{where}.auth_key_file"
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(
-            f"{key} must be the path (string) of a file of this user, mode 0600, holding "
-            f"the secret shared by every engine of the tier, got {value!r}"
-        )
     path = os.path.abspath(os.path.expanduser(value))
     if check_paths:
         from kvtier.tiering_spec.auth import load_auth_key  # auth imports this module
 
-        load_auth_key(path, key)
+        load_auth_key(path, f"{where}.auth_key_file")
     return path
-
-
-def _host_port(where: str, value: Any) -> str:
-    host, _, port = str(value).rpartition(":") if isinstance(value, str) else ("", "", "")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(
-            f"{where} must be 'HOST:PORT' (the mooncake_master RPC address, for example "
-            f"'10.0.0.1:50051'), got {value!r}"
-        )
-    return str(value)
 
 
 def parse_mooncake_tier(
@@ -403,62 +575,24 @@ def parse_mooncake_tier(
 ) -> MooncakeTierConfig:
     """Validate one ``{"type": "mooncake", ...}`` entry; ``where`` names it in errors.
     ``check_paths`` reads and checks the ``auth_key_file``, if any."""
-    unknown = sorted(set(raw) - set(_MOONCAKE_KEYS))
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {unknown} for a mooncake tier; allowed: "
-            f"{', '.join(_MOONCAKE_KEYS)}"
-        )
-    if "master_server_address" not in raw:
-        raise ConfigError(
-            f"{where}.master_server_address is required: the mooncake_master RPC address "
-            "'HOST:PORT'"
-        )
-    master = _host_port(f"{where}.master_server_address", raw["master_server_address"])
-    metadata = raw.get("metadata_server")
-    if not isinstance(metadata, str) or not (
-        metadata == "P2PHANDSHAKE" or metadata.startswith(("http://", "https://"))
-    ):
-        raise ConfigError(
-            f"{where}.metadata_server must be 'http://HOST:PORT/metadata' (for example the "
-            "master's, started with --enable_http_metadata_server=true) or 'P2PHANDSHAKE', "
-            f"got {metadata!r}"
-        )
-    protocol = raw.get("protocol", "tcp")
-    if protocol not in MOONCAKE_PROTOCOLS:
-        raise ConfigError(
-            f"{where}.protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}, got {protocol!r}"
-        )
-    device = raw.get("device_name", "")
-    if not isinstance(device, str) or (protocol == "rdma" and not device.strip()):
+    values = _entry(MOONCAKE_TIER_SCHEMA, {"type": "mooncake", **raw}, where, "a mooncake")
+    device = values["device_name"]
+    if values["protocol"] == "rdma" and not device.strip():
         raise ConfigError(
             f"{where}.device_name must be a string naming the RDMA device(s) (for example "
             f"'mlx5_0'); required with protocol 'rdma', got {device!r}"
         )
-    hostname = raw.get("local_hostname", "")
-    if not isinstance(hostname, str):
-        raise ConfigError(
-            f"{where}.local_hostname must be this machine's address as other clients reach "
-            f"it (a string), got {hostname!r}"
-        )
-    locality = str(raw.get("locality") or "REMOTE").upper()
-    if locality not in LOCALITIES:
-        raise ConfigError(f"{where}.locality must be one of {LOCALITIES}, got {locality!r}")
     return MooncakeTierConfig(
-        master_server_address=master,
-        metadata_server=metadata,
-        protocol=str(protocol),
-        local_hostname=hostname.strip() or socket.gethostname(),
-        global_segment_size=_int(
-            f"{where}.global_segment_size", raw.get("global_segment_size", 1 << 30), minimum=0
-        ),
-        local_buffer_size=_int(
-            f"{where}.local_buffer_size", raw.get("local_buffer_size", 64 << 20), minimum=0
-        ),
+        master_server_address=values["master_server_address"],
+        metadata_server=values["metadata_server"],
+        protocol=values["protocol"],
+        local_hostname=values["local_hostname"].strip() or socket.gethostname(),
+        global_segment_size=values["global_segment_size"],
+        local_buffer_size=values["local_buffer_size"],
         device_name=device.strip(),
-        enable_kv_events=_bool(f"{where}.enable_kv_events", raw.get("enable_kv_events", True)),
-        locality=locality,
-        auth_key_file=_auth_key_file(raw, where, check_paths=check_paths),
+        enable_kv_events=values["enable_kv_events"],
+        locality=values["locality"],
+        auth_key_file=_auth_key_file(values["auth_key_file"], where, check_paths=check_paths),
     )
 
 
