@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.blockpool import ALLOCATION_BUCKETS, CacheEvent, HostBlockPool
+from kvtier.blockpool import ALLOCATION_BUCKETS, CacheEvent, Hold, HostBlockPool
 
 
 def k(i: int) -> bytes:
@@ -290,4 +290,43 @@ def test_evict_all_keeps_pinned_keys() -> None:
     pool.prepare_load([k(1)])
     assert sorted(pool.evict_all()) == [k(0), k(2)]
     assert pool.lookup([k(1)]) == 1
+    pool.check_invariants()
+
+
+def test_holds_pin_and_are_counted_per_kind() -> None:
+    pool = HostBlockPool(3, eviction_policy="lru")
+    blocks = stored(pool, [k(0), k(1), k(2)])
+    assert pool.hold([k(0)], Hold.TIER_WRITE) == [blocks[0]]
+    assert pool.hold([k(0), k(1)], Hold.DEVICE_LOAD) == blocks[:2]
+    assert pool.held(Hold.TIER_WRITE) == 1 and pool.held(Hold.DEVICE_LOAD) == 2
+    assert pool.held(Hold.PROMOTION) == pool.held(Hold.LOOKUP_PASS) == 0
+    assert pool.stats().holds == {
+        "device_load": 2,
+        "tier_write": 1,
+        "promotion": 0,
+        "lookup_pass": 0,
+    }
+    plan = pool.prepare_store([k(3)])  # only k(2) is unheld
+    assert plan is not None and plan.evicted == [k(2)]
+    pool.complete_store(plan.keys)
+    pool.release([k(0), k(1)], Hold.DEVICE_LOAD)
+    assert pool.prepare_store([k(4)]) is not None, "k(1) is free to go"
+    assert pool.holds(k(0), Hold.TIER_WRITE) == 1, "the write still holds k(0)"
+    with pytest.raises(RuntimeError, match="device_load hold"):
+        pool.release([k(0)], Hold.DEVICE_LOAD)  # held, but not for a device load
+    pool.release([k(0)], Hold.TIER_WRITE)
+    assert pool.stats().read_pinned == 0
+    pool.check_invariants()
+
+
+def test_a_failed_hold_or_release_changes_nothing() -> None:
+    pool = HostBlockPool(4)
+    stored(pool, [k(0)])
+    with pytest.raises(KeyError):
+        pool.hold([k(0), k(9)], Hold.PROMOTION)
+    assert pool.held(Hold.PROMOTION) == 0 and pool.stats().read_pinned == 0
+    pool.hold([k(0)], Hold.PROMOTION)
+    with pytest.raises(RuntimeError):
+        pool.release([k(0), k(0)], Hold.PROMOTION)  # held once, released twice
+    assert pool.holds(k(0), Hold.PROMOTION) == 1 and pool.stats().read_pinned == 1
     pool.check_invariants()

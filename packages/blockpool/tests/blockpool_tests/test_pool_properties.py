@@ -10,11 +10,12 @@ lowest-scored evictable keys, in the order the policy reported before the call).
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier.blockpool import ARCPolicy, HostBlockPool, LRUPolicy, StoreAdmissionFilter
+from kvtier.blockpool import ARCPolicy, Hold, HostBlockPool, LRUPolicy, StoreAdmissionFilter
 
 KEYS = st.lists(st.integers(0, 40).map(lambda i: b"k%d" % i), min_size=1, max_size=6, unique=True)
 
@@ -31,6 +32,7 @@ class PoolMachine(RuleBasedStateMachine):
         )
         self.storing: list[list[bytes]] = []  # outstanding store batches
         self.loading: list[list[bytes]] = []  # outstanding load batches
+        self.kinds: list[Hold | None] = []  # each load batch's hold (None: prepare_load)
         self.owners: dict[str, int] = {}
         self.cached: set[bytes] = set()
         self.recency: list[bytes] = []  # LRU model, oldest first
@@ -115,20 +117,39 @@ class PoolMachine(RuleBasedStateMachine):
             else:
                 self.recency.remove(key)
 
-    @rule(keys=KEYS)
-    def prepare_load(self, keys: list[bytes]) -> None:
+    @rule(keys=KEYS, kind=st.sampled_from([None, *Hold]))
+    def prepare_load(self, keys: list[bytes], kind: Hold | None) -> None:
         present = [key for key in keys if key in self.cached]
         if not present:
             return
-        blocks = self.pool.prepare_load(present)
+        pool = self.pool
+        blocks = pool.prepare_load(present) if kind is None else pool.hold(present, kind)
         assert blocks == [self.pool.block_of(key) for key in present]
         self.loading.append(present)
+        self.kinds.append(kind)
 
     @precondition(lambda self: self.loading)
     @rule(data=st.data())
     def complete_load(self, data: st.DataObject) -> None:
-        batch = self.loading.pop(data.draw(st.integers(0, len(self.loading) - 1)))
-        self.pool.complete_load(batch)
+        i = data.draw(st.integers(0, len(self.loading) - 1))
+        batch, kind = self.loading.pop(i), self.kinds.pop(i)
+        if kind is None:
+            self.pool.complete_load(batch)
+            return
+        other = next(k for k in Hold if k != kind)
+        if self.pool.holds(batch[0], other) == 0:
+            with pytest.raises(RuntimeError):  # another kind's hold is not this one's
+                self.pool.release(batch, other)
+        self.pool.release(batch, kind)
+
+    @invariant()
+    def holds_are_counted_per_kind(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        for kind in Hold:
+            expected = sum(len(b) for b, k in zip(self.loading, self.kinds) if k is kind)
+            assert self.pool.held(kind) == expected
+            assert self.pool.stats().holds[kind.value] == expected
 
     @rule(keys=KEYS)
     def touch(self, keys: list[bytes]) -> None:

@@ -26,6 +26,7 @@ from kvtier.blockpool.policies import (
 from kvtier.blockpool.pool import (
     ALLOCATION_BUCKETS,
     CacheEvent,
+    Hold,
     HostBlockPool,
     PoolStats,
     StorePlan,
@@ -48,6 +49,7 @@ __all__ = [
     "CacheEvent",
     "EvictionPolicy",
     "FrecencyPolicy",
+    "Hold",
     "HostBlockPool",
     "HostBudget",
     "HostRegion",

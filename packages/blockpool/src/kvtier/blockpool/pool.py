@@ -14,11 +14,17 @@ So ``free + storing + cached + owned == capacity`` at all times. A block is
 ``pin(..., write=False)``) or writes it (``STORING``, or ``pin(..., write=True)``);
 a pinned block is never evicted and never handed out again.
 
+A cached block can also be *held* for a named reason (``hold(keys, kind)`` ..
+``release(keys, kind)``, a :class:`Hold`): a device load, a secondary tier's write, a
+promotion waiting for its load, a lookup pass. A hold pins the block as a load does,
+and the pool counts holds per kind, so each reason's share of the pins can be told.
+
 Keys are any hashable values (vLLM's block hashes are ``bytes``). Units: blocks.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -32,6 +38,20 @@ FREE, KEYED, OWNED = 0, 1, 2  # KEYED: storing or cached, told apart by the key 
 # Upper bounds of the blocks-per-store histogram (powers of 4), then +Inf. A store of n
 # blocks falls in bucket ceil(log4(n)).
 ALLOCATION_BUCKETS: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class Hold(str, enum.Enum):
+    """Why a cached block is held (pinned: never evicted, never handed out again)."""
+
+    DEVICE_LOAD = "device_load"  # a device load reads it
+    TIER_WRITE = "tier_write"  # a secondary tier writes it out
+    PROMOTION = "promotion"  # read in from a secondary tier, kept until a device load
+    LOOKUP_PASS = "lookup_pass"  # found by a request's lookup, kept while it goes on
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return str(self.value)
 
 
 class StorePlan(NamedTuple):
@@ -68,6 +88,7 @@ class PoolStats:
     read_pinned: int
     write_pinned: int
     allocation_histogram: list[int] = field(default_factory=list)
+    holds: dict[str, int] = field(default_factory=dict)  # holds by kind (Hold's value)
 
     @property
     def usage(self) -> float:
@@ -125,6 +146,9 @@ class HostBlockPool:
         self._owned_write_pins: dict[int, int] = {}
         self._owned: dict[Hashable, list[int]] = {}
         self._num_owned = 0
+        # Holds by kind: key -> count, and each kind's total.
+        self._holds: dict[Hold, dict[Any, int]] = {kind: {} for kind in Hold}
+        self._hold_counts: dict[Hold, int] = dict.fromkeys(Hold, 0)
         self._histogram = [0] * (len(ALLOCATION_BUCKETS) + 1)
         self._events_on = bool(enable_events)
         self._events: list[CacheEvent] = []
@@ -306,6 +330,47 @@ class HostBlockPool:
                 f"complete_load for key {keys[done]!r} without prepare_load"
             ) from None
 
+    def hold(self, keys: Sequence[Hashable], kind: Hold) -> list[int]:
+        """Hold the blocks of cached ``keys`` for ``kind`` and return them, in order:
+        pinned as by ``prepare_load``, and counted for ``kind`` until ``release``.
+
+        Raises ``KeyError`` (holding nothing) if a key is not cached and readable.
+        """
+        blocks = self.prepare_load(keys)
+        held = self._holds[kind]
+        get = held.get
+        for key in keys:
+            held[key] = get(key, 0) + 1
+        self._hold_counts[kind] += len(keys)
+        return blocks
+
+    def release(self, keys: Sequence[Hashable], kind: Hold) -> None:
+        """End holds of ``kind`` on ``keys``. Raises ``RuntimeError`` (releasing nothing)
+        for a key ``kind`` does not hold as often as it is named."""
+        held = self._holds[kind]
+        wanted: dict[Any, int] = {}
+        for key in keys:
+            wanted[key] = wanted.get(key, 0) + 1
+        for key, n in wanted.items():
+            if held.get(key, 0) < n:
+                raise RuntimeError(f"release of a {kind.value} hold on {key!r}, which it lacks")
+        self.complete_load(keys)
+        for key, n in wanted.items():
+            left = held[key] - n
+            if left:
+                held[key] = left
+            else:
+                del held[key]
+        self._hold_counts[kind] -= len(keys)
+
+    def holds(self, key: Hashable, kind: Hold) -> int:
+        """How many holds of ``kind`` ``key`` has."""
+        return self._holds[kind].get(key, 0)
+
+    def held(self, kind: Hold) -> int:
+        """Holds of ``kind`` on all keys together (a key held twice counts twice)."""
+        return self._hold_counts[kind]
+
     def touch(self, keys: Sequence[Hashable]) -> None:
         """Mark ``keys`` used. The first key ends up the most recently used: a
         prefix's first blocks are shared by the most requests."""
@@ -461,6 +526,7 @@ class HostBlockPool:
             read_pinned=len(self._load_pins) + len(self._owned_read_pins),
             write_pinned=self._num_storing + len(self._owned_write_pins),
             allocation_histogram=list(self._histogram),
+            holds={kind.value: n for kind, n in self._hold_counts.items()},
         )
 
     def check_invariants(self) -> None:
@@ -490,3 +556,9 @@ class HostBlockPool:
         assert all(self._keys[key] >= 0 and n > 0 for key, n in self._load_pins.items())
         for pins in (self._owned_read_pins, self._owned_write_pins):
             assert all(self._state[b] == OWNED and n > 0 for b, n in pins.items())
+        for kind, held in self._holds.items():
+            assert self._hold_counts[kind] == sum(held.values()), f"{kind.value} count drifted"
+            for key, n in held.items():
+                assert n > 0 and self._load_pins.get(key, 0) >= n, f"{kind.value} hold unpinned"
+        for key, n in self._load_pins.items():
+            assert sum(h.get(key, 0) for h in self._holds.values()) <= n, "holds exceed pins"

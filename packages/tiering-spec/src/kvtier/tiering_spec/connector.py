@@ -164,12 +164,11 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         failed = getattr(meta, "failed_store_jobs", None)
         if failed and self._kvtier_manager is not None:
-            jobs = getattr(self.connector_scheduler, "_jobs", {})
             for job_id in failed:
-                status = jobs.get(job_id)
-                if status is not None and status.is_store:
+                keys = compat.store_job_keys(self, job_id)
+                if keys is not None:
                     # Dropped now; vLLM's completion of the job then finds nothing stored.
-                    self._kvtier_manager.core.complete_store(list(status.keys), False)
+                    self._kvtier_manager.fail_store(keys)
                     if not self._store_failure_logged:
                         self._store_failure_logged = True
                         logger.warning(

@@ -8,7 +8,7 @@ Flow:
 
 * a device store: ``prepare_store`` reserves host blocks, the worker copies, then
   ``complete_store`` makes them readable and *writes them through* to each fs tier
-  (the host blocks stay read-pinned until their files are written);
+  (the host blocks stay held, ``Hold.TIER_WRITE``, until their files are written);
 * a lookup that misses the host tier but hits an fs tier reserves a host block and
   reads the file into it (a *promotion*); the key reads ``HIT_PENDING`` until the
   read finished, then ``HIT``, or ``MISS`` if the file was bad; a read that timed out
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from kvtier.blockpool import (
     DEFAULT_MAX_TRACKER_SIZE,
+    Hold,
     HostBlockPool,
     PoolStats,
     StoreAdmissionFilter,
@@ -107,15 +108,13 @@ class TierManager:
         # Keys whose read timed out: their host blocks stay reserved (storing) until the
         # tier's "release" result, as the late call may still write into them.
         self._held: set[bytes] = set()
-        self._write_pins: dict[bytes, int] = {}  # key -> fs writes reading its host block
-        self._num_write_pins = 0
         self._load_sources: OrderedDict[bytes, str] = OrderedDict()
-        # Keys a request's current lookup pass found, protected from eviction by the
-        # promotions of the same pass (else a long prefix evicts its own head).
+        # Keys a request's current lookup pass found, held (Hold.LOOKUP_PASS) while the
+        # same pass promotes (else a long prefix evicts its own head).
         self._pass_req: str | None = None
         self._pass_keys: list[bytes] = []
-        # Promoted keys pinned until loaded (key -> step of the promotion), and a cap on
-        # promoting plus pinned blocks: half the host tier, the rest for stores.
+        # Promoted keys held until loaded (Hold.PROMOTION; key -> step of the promotion),
+        # and a cap on promoting plus held blocks: half the host tier, the rest for stores.
         self._fresh: OrderedDict[bytes, int] = OrderedDict()
         self._step = 0
         self.max_promoting = max(1, pool.num_blocks // 2)
@@ -159,9 +158,13 @@ class TierManager:
                 # and pinned blocks are loaded or released within FRESH_STEPS.
                 self.counters.promotions_deferred += 1
                 return Lookup.HIT_PENDING
-            # Only cached keys are protected; naming any other would reserve a block for it.
+            # Only cached keys are held; a key still being stored cannot be evicted.
             protect = [k for k in self._pass_keys if pool.contains(k)]
-            plan = pool.prepare_store([*protect, key])
+            pool.hold(protect, Hold.LOOKUP_PASS)
+            try:
+                plan = pool.prepare_store([key])
+            finally:
+                pool.release(protect, Hold.LOOKUP_PASS)
             if plan is None or not plan.keys:
                 self.counters.promotion_allocation_failures += 1
                 return Lookup.MISS
@@ -184,15 +187,15 @@ class TierManager:
     # ------------------------------------------------------------------ device loads
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
-        """Pin the host blocks of ``keys`` (all HIT) for a device load; their ids."""
-        return self.pool.prepare_load(keys)
+        """Hold the host blocks of ``keys`` (all HIT) for a device load; their ids."""
+        return self.pool.hold(keys, Hold.DEVICE_LOAD)
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
-        self.pool.complete_load(keys)
+        self.pool.release(keys, Hold.DEVICE_LOAD)
         if self._fresh:
             for key in keys:
                 if self._fresh.pop(key, None) is not None:
-                    self.pool.complete_load([key])  # loaded: the promotion's pin ends
+                    self.pool.release([key], Hold.PROMOTION)  # loaded: its hold ends
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self.pool.touch(keys)
@@ -268,16 +271,14 @@ class TierManager:
                 digest = key_digest(key)
                 if tier.has(digest):
                     continue
-                if self._num_write_pins >= self.max_write_backlog:
+                if pool.held(Hold.TIER_WRITE) >= self.max_write_backlog:
                     self.counters.writes_dropped += 1
                     continue
-                block = pool.prepare_load([key])[0]
+                block = pool.hold([key], Hold.TIER_WRITE)[0]
                 if tier.submit_write(key, digest, block):
-                    self._write_pins[key] = self._write_pins.get(key, 0) + 1
-                    self._num_write_pins += 1
                     self.counters.writes_submitted += 1
                 else:
-                    pool.complete_load([key])
+                    pool.release([key], Hold.TIER_WRITE)
 
     # ------------------------------------------------------------------ completion
 
@@ -310,20 +311,15 @@ class TierManager:
                         # asked for lately, so promotions do not evict each other.
                         pool.touch([res.key])
                         if res.key not in self._fresh:
-                            pool.prepare_load([res.key])  # pinned until vLLM loads it
+                            pool.hold([res.key], Hold.PROMOTION)  # until vLLM loads it
                             self._fresh[res.key] = self._step
                     else:
                         self.counters.promotion_failures += 1
                         self._load_sources.pop(res.key, None)
                 elif res.op == "write":
-                    count = self._write_pins.get(res.key, 0)
-                    if count:
-                        if count == 1:
-                            del self._write_pins[res.key]
-                        else:
-                            self._write_pins[res.key] = count - 1
-                        self._num_write_pins -= 1
-                        pool.complete_load([res.key])
+                    # (A write of the pool before a reset holds nothing in this one.)
+                    if pool.holds(res.key, Hold.TIER_WRITE):
+                        pool.release([res.key], Hold.TIER_WRITE)
                     if not res.ok:
                         self.counters.write_failures += 1
 
@@ -338,7 +334,7 @@ class TierManager:
             if self._step - step < FRESH_STEPS:
                 break
             del fresh[key]
-            self.pool.complete_load([key])
+            self.pool.release([key], Hold.PROMOTION)
         self._pass_req = None
         self._pass_keys = []
 
@@ -369,7 +365,7 @@ class TierManager:
                 "kvtier: cache reset with fs jobs still running: %d host blocks dropped, "
                 "%d kept until their reads and writes finish",
                 len(dropped),
-                len(self._promoting) + len(self._write_pins) + len(self._held),
+                len(self._promoting) + self.pool.held(Hold.TIER_WRITE) + len(self._held),
             )
             self._load_sources.clear()
             return
@@ -380,8 +376,6 @@ class TierManager:
         self._fresh.clear()
         self._promoting.clear()
         self._held.clear()
-        self._write_pins.clear()
-        self._num_write_pins = 0
         self._load_sources.clear()
 
     def shutdown(self) -> bool:
@@ -407,8 +401,8 @@ class TierManager:
 
     @property
     def write_pinned_blocks(self) -> int:
-        """Host blocks pinned by fs writes in flight."""
-        return self._num_write_pins
+        """Host blocks held by secondary tiers' writes in flight."""
+        return self.pool.held(Hold.TIER_WRITE)
 
     @property
     def promoting_blocks(self) -> int:

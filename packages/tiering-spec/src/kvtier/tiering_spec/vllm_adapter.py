@@ -733,6 +733,11 @@ class KvtierOffloadingManager(OffloadingManager):
     ) -> None:
         self.core.complete_store(list(keys), success, secondary=self._secondary(req_context))
 
+    def fail_store(self, keys: Collection[OffloadKey]) -> None:
+        """A store a worker could not copy: its keys are dropped now, never loaded
+        (vLLM's own completion of the job then finds nothing stored)."""
+        self.core.complete_store(list(keys), False)
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         arriving, self._arriving = self._arriving, None
         if arriving is not None and arriving[0] == req_context.req_id:

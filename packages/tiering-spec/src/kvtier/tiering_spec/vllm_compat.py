@@ -278,3 +278,14 @@ def load_job_requests(connector: Any) -> dict[int, str]:
     worker = getattr(connector, "connector_worker", None)
     jobs = getattr(worker, "_load_jobs", None)
     return dict(jobs) if isinstance(jobs, dict) else {}
+
+
+def store_job_keys(connector: Any, job_id: int) -> list[Any] | None:
+    """The keys of store job ``job_id`` on ``connector``'s scheduler side, or None if it
+    is not a store job in flight there (vLLM's ``OffloadingConnectorScheduler`` keeps its
+    jobs privately; read here only)."""
+    jobs = getattr(getattr(connector, "connector_scheduler", None), "_jobs", None)
+    status = jobs.get(job_id) if isinstance(jobs, dict) else None
+    if status is None or not getattr(status, "is_store", False):
+        return None
+    return list(status.keys)
