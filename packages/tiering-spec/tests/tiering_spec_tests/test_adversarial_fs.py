@@ -29,6 +29,7 @@ from kvtier.tiering_spec.config import ConfigError, FsTierConfig, parse_config
 from kvtier.tiering_spec.fsformat import key_digest
 from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.manager import Lookup, TierManager
+from kvtier.tiering_spec.tiers import fs_io
 
 from .hostile import OTHER_UID, as_other_user, forged_block, need_root, plant
 from .tier_support import PAYLOAD, Region, layouts, wait_results
@@ -367,12 +368,12 @@ def test_a_full_disk_once_then_room_again_brings_the_capacity_back(
         write(tier, region, b"old-%d" % i, i)
     free = {"bytes": 0}
     monkeypatch.setattr(
-        fstier,
+        fs_io,
         "_fstatvfs",
         lambda fd: SimpleNamespace(f_bavail=free["bytes"] // 4096, f_frsize=4096),
         raising=False,
     )
-    real = fstier._pwritev
+    real = fs_io._pwritev
     calls = {"n": 0}
 
     def full_once(*a: Any, **k: Any) -> int:
@@ -381,7 +382,7 @@ def test_a_full_disk_once_then_room_again_brings_the_capacity_back(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*a, **k)
 
-    monkeypatch.setattr(fstier, "_pwritev", full_once)
+    monkeypatch.setattr(fs_io, "_pwritev", full_once)
     write(tier, region, b"new", 10)
     assert tier.faults()["disk_full"] == 1
     assert tier.capacity_bytes == 10 * entry, "lowered to what it holds plus 0 bytes free"
@@ -413,7 +414,7 @@ def test_a_taken_over_file_looks_fresh_to_another_engines_start_up_scan(
     two_hours_ago = time.time() - 7200
     for key in (b"a", b"b"):
         os.utime(block_path(tier, key), (two_hours_ago, two_hours_ago))
-    real = fstier._pwritev
+    real = fs_io._pwritev
     seen: dict[str, Any] = {}
     gate = threading.Event()
 
@@ -427,7 +428,7 @@ def test_a_taken_over_file_looks_fresh_to_another_engines_start_up_scan(
             gate.set()
         return real(fd, *a, **k)
 
-    monkeypatch.setattr(fstier, "_pwritev", during_write)
+    monkeypatch.setattr(fs_io, "_pwritev", during_write)
     region.fill(0, 2, 9)
     assert tier.submit_write(b"c", key_digest(b"c"), 2)
     [res] = wait_results(tier)

@@ -403,16 +403,16 @@ def _hung_reads(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Make every fs read hang (as on a dead network mount) until the event is set."""
     import threading
 
-    from kvtier.tiering_spec import fstier
+    from kvtier.tiering_spec.tiers import fs_io
 
     release = threading.Event()
-    real = fstier._preadv
+    real = fs_io._preadv
 
     def hung(*a: Any) -> int:
         release.wait(30)
         return real(*a)
 
-    monkeypatch.setattr(fstier, "_preadv", hung)
+    monkeypatch.setattr(fs_io, "_preadv", hung)
     return release
 
 

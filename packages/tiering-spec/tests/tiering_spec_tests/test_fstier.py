@@ -14,6 +14,7 @@ import pytest
 
 from kvtier.tiering_spec import fsformat, fstier
 from kvtier.tiering_spec.fsformat import key_digest
+from kvtier.tiering_spec.tiers import fs_io
 
 from .tier_support import PAYLOAD, Region, wait_results
 
@@ -59,7 +60,7 @@ def test_file_layout_header_and_permissions(make_tier, tmp_path: Path) -> None:
 
 def test_o_direct_is_used_where_the_filesystem_accepts_it(make_tier) -> None:
     tier = make_tier(Region(1))
-    assert tier.direct == fstier.probe_o_direct(tier.dirs[0])
+    assert tier.direct == fs_io.probe_o_direct(tier.dirs[0])
 
 
 def test_files_of_an_earlier_run_are_served_after_a_restart(make_tier, tmp_path: Path) -> None:
@@ -283,7 +284,7 @@ def test_full_disk_drops_the_write_and_leaves_no_file(make_tier, monkeypatch, ca
     def enospc(*a: object, **k: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(fstier, "_pwritev", enospc)
+    monkeypatch.setattr(fs_io, "_pwritev", enospc)
     region.fill(0, 0, 1)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
         assert tier.submit_write(b"k", key_digest(b"k"), 0)
@@ -306,7 +307,7 @@ def test_a_full_disk_evicts_the_oldest_files_and_retries_the_write(
         write(tier, region, k, i, i)
     assert tier.used_bytes == 10 * tier.entry_bytes
     calls = {"n": 0}
-    real = fstier._pwritev
+    real = fs_io._pwritev
 
     def full_once(*a: object, **k: object) -> int:
         calls["n"] += 1
@@ -314,9 +315,9 @@ def test_a_full_disk_evicts_the_oldest_files_and_retries_the_write(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(fstier, "_pwritev", full_once)
+    monkeypatch.setattr(fs_io, "_pwritev", full_once)
     # The disk shows no room: the tier holds what it has, and makes room for the write.
-    monkeypatch.setattr(fstier, "_fstatvfs", lambda fd: SimpleNamespace(f_bavail=0, f_frsize=4096))
+    monkeypatch.setattr(fs_io, "_fstatvfs", lambda fd: SimpleNamespace(f_bavail=0, f_frsize=4096))
     region.fill(0, 11, 99)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
         assert tier.submit_write(b"new", key_digest(b"new"), 11)
@@ -336,7 +337,7 @@ def test_failed_rename_is_a_failed_write(make_tier, monkeypatch) -> None:
     def eio(*a: object) -> None:
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(fstier, "_rename", eio)
+    monkeypatch.setattr(fs_io, "_rename", eio)
     assert tier.submit_write(b"k", key_digest(b"k"), 0)
     [res] = wait_results(tier)
     assert res.fault == "write_failed" and tier.faults()["write_failed"] == 1
@@ -358,8 +359,8 @@ def test_short_reads_and_writes_are_completed(make_tier, monkeypatch) -> None:
             return real_r(fd, [bufs[0], memoryview(bufs[1])[:4096]], 0)
         return real_r(fd, bufs, off)
 
-    monkeypatch.setattr(fstier, "_pwritev", short_w)
-    monkeypatch.setattr(fstier, "_preadv", short_r)
+    monkeypatch.setattr(fs_io, "_pwritev", short_w)
+    monkeypatch.setattr(fs_io, "_preadv", short_r)
     data = write(tier, region, b"k", 0, 11)
     assert read(tier, b"k", 1).ok and region.block(0, 1) == data
 

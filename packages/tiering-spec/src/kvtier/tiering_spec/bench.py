@@ -39,7 +39,8 @@ from typing import Any, cast
 
 from kvtier.tiering_spec.config import FsTierConfig
 from kvtier.tiering_spec.fsformat import HEADER_SIZE, checksum, key_digest
-from kvtier.tiering_spec.fstier import O_DIRECT, FileSystemTier, probe_o_direct
+from kvtier.tiering_spec.fstier import FileSystemTier
+from kvtier.tiering_spec.tiers.fs_io import O_DIRECT, probe_o_direct
 
 GiB = 1 << 30
 

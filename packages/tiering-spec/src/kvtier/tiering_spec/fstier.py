@@ -48,6 +48,7 @@ from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig
 from kvtier.tiering_spec.fsdirs import TierDirs
+from kvtier.tiering_spec.tiers import fs_io
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
     SecondaryTier,
@@ -57,11 +58,10 @@ from kvtier.tiering_spec.tiers.base import (
     count_down,
 )
 from kvtier.tiering_spec.tiers.fs_index import FsIndex
-from kvtier.tiering_spec.tiers.fs_scan import FsScanner, foreign, own_block_file, remove_tree
+from kvtier.tiering_spec.tiers.fs_scan import FsScanner, remove_tree
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
-O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Faults whose file is removed at once: damaged, or not this tier's.
 _REMOVED_FAULTS = (
     TierFault.CORRUPT,
@@ -75,55 +75,6 @@ DEFAULT_FREE_FRACTION = 0.5
 DISCOVER_INTERVAL_S = 1.0
 # How long shutdown waits for I/O threads (a hung mount must not hang the engine).
 SHUTDOWN_TIMEOUT_S = 10.0
-
-# Indirections that fault-injection tests replace.
-_pwritev = os.pwritev
-_preadv = os.preadv
-_rename = os.rename
-_fstatvfs = os.fstatvfs
-
-
-def probe_o_direct(directory: str, dir_fd: int | None = None) -> bool:
-    """Whether O_DIRECT writes and reads of an aligned 4096-byte block work in
-    ``directory`` (the folder held by ``dir_fd`` when given)."""
-    if not O_DIRECT:
-        return False
-    name = f"{fsformat.TMP_PREFIX}odirect-probe-{os.getpid()}"
-    path = name if dir_fd is not None else os.path.join(directory, name)
-    buf = mmap.mmap(-1, fsformat.ALIGNMENT)
-    try:
-        buf[:8] = b"kvtier!!"
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | O_DIRECT
-        fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
-        try:
-            if os.pwritev(fd, [buf], 0) != fsformat.ALIGNMENT:
-                return False
-            back = mmap.mmap(-1, fsformat.ALIGNMENT)
-            try:
-                ok = os.preadv(fd, [back], 0) == fsformat.ALIGNMENT and back[:8] == b"kvtier!!"
-            finally:
-                back.close()
-            return ok
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
-    finally:
-        buf.close()
-        try:
-            os.unlink(path, dir_fd=dir_fd)
-        except OSError:
-            pass
-
-
-def _free_bytes(dir_fd: int) -> int:
-    """Bytes an unprivileged writer may still put on the filesystem of the folder
-    held by ``dir_fd``."""
-    try:
-        st = _fstatvfs(dir_fd)
-    except OSError:
-        return 0
-    return int(st.f_bavail) * int(st.f_frsize)
 
 
 class FileSystemTier(SecondaryTier):
@@ -197,8 +148,8 @@ class FileSystemTier(SecondaryTier):
             except FileNotFoundError:
                 text = json.dumps(dict(layout), indent=2, sort_keys=True)
                 self._write_small_file(fp_fd, "layout.json", text)
-        self.direct = probe_o_direct(self.dirs[0], dir_fd=self.fsdirs.fingerprint(0))
-        self._free_at_start = _free_bytes(self.fsdirs.root)
+        self.direct = fs_io.probe_o_direct(self.dirs[0], dir_fd=self.fsdirs.fingerprint(0))
+        self._free_at_start = fs_io.free_bytes(self.fsdirs.root)
         if self.capacity_is_default:
             self.capacity_bytes = self._default_capacity(0)
         # What capacity_bytes returns to after a full disk lowered it.
@@ -305,7 +256,7 @@ class FileSystemTier(SecondaryTier):
             try:
                 self._disk.discover()
                 if self.capacity_bytes != self.target_capacity:
-                    self._free_seen = _free_bytes(self.fsdirs.root)
+                    self._free_seen = fs_io.free_bytes(self.fsdirs.root)
             except Exception:  # never fatal: the next round tries again
                 continue
 
@@ -726,7 +677,7 @@ class FileSystemTier(SecondaryTier):
                 else TierFault.WRITE_FAILED
             )
             if fault == TierFault.DISK_FULL:
-                self._free_seen = _free_bytes(self.fsdirs.root)
+                self._free_seen = fs_io.free_bytes(self.fsdirs.root)
         except Exception:
             fault = TierFault.WRITE_FAILED
         if fault is not None:
@@ -757,30 +708,13 @@ class FileSystemTier(SecondaryTier):
                 pass
 
     def _take_over(self, rank: int, old: bytes, shard: int, tmp: str) -> int | None:
-        """Open the evicted block file of digest ``old`` for a write to overwrite in
-        place (on some filesystems making a file costs more CPU than writing a MiB into
-        one), and rename it to ``tmp`` in ``shard``. Its times are refreshed first, so
-        that no start-up scan of another engine takes it for a stale temporary file
-        while it is written. None (nothing taken) unless it is a plain block file of
-        this user with no other link; a reader still holding it open then fails its
-        checksum."""
+        """The evicted block file of digest ``old``, renamed to ``tmp`` in ``shard`` and
+        open for writing (``fs_io.take_over``), or None."""
         old_shard, old_name = self._where(old)
-        src = self.fsdirs.shard(rank, old_shard)
-        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | (O_DIRECT if self.direct else 0)
-        try:
-            fd = os.open(old_name, flags, dir_fd=src)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-            if not own_block_file(st, self.file_bytes):
-                raise OSError(errno.EPERM, "not this tier's block file")
-            os.utime(fd)
-            os.rename(old_name, tmp, src_dir_fd=src, dst_dir_fd=self.fsdirs.shard(rank, shard))
-        except OSError:
-            os.close(fd)
-            return None
-        self.stats.files_reused += 1
+        src, dst = self.fsdirs.shard(rank, old_shard), self.fsdirs.shard(rank, shard)
+        fd = fs_io.take_over(src, old_name, dst, tmp, self.file_bytes, self.direct)
+        if fd is not None:
+            self.stats.files_reused += 1
         return fd
 
     def _write_file(
@@ -796,36 +730,20 @@ class FileSystemTier(SecondaryTier):
     ) -> None:
         """Write one block file to ``tmp`` (a new file, or the taken-over one open as
         ``fd``), then rename it to ``name``; both in the rank's held shard folder."""
-        try:
-            if fd is None:
-                fd = self._create(rank, shard, tmp, self.direct)
-            try:
-                self._write_fd(fd, fingerprint, digest, payload)
-            except OSError as exc:
-                if not (self.direct and exc.errno == errno.EINVAL):
-                    raise
-                # O_DIRECT refused the buffer: the same file, written buffered.
-                os.close(fd)
-                fd = None
-                flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                fd = os.open(tmp, flags, dir_fd=self.fsdirs.shard(rank, shard))
-                self._write_fd(fd, fingerprint, digest, payload)
-            folder = self.fsdirs.shard(rank, shard)
-            _rename(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=self.fsdirs.shard(rank, shard))
-            except OSError:
-                pass
-            raise
-        finally:
-            if fd is not None:
-                os.close(fd)
+        if fd is None:
+            fd = self._create(rank, shard, tmp, self.direct)
+        hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
+        folder = self.fsdirs.shard(rank, shard)
+        fs_io.write_and_rename(
+            folder, tmp, name, fd, hdr, fingerprint, digest, payload, self._key, self.direct
+        )
 
     def _create(self, rank: int, shard: int, tmp: str, direct: bool) -> int:
         """A new file ``tmp`` in the rank's shard folder; a folder removed while the
         engine ran is made again first (from its held parent, checked again)."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
+        flags = (
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (fs_io.O_DIRECT if direct else 0)
+        )
         try:
             return os.open(tmp, flags, 0o600, dir_fd=self.fsdirs.shard(rank, shard))
         except FileNotFoundError:
@@ -845,23 +763,6 @@ class FileSystemTier(SecondaryTier):
                 raise
             self.stats.folders_recreated += 1
             return os.open(tmp, flags, 0o600, dir_fd=self.fsdirs.shard(rank, shard))
-
-    def _write_fd(self, fd: int, fingerprint: bytes, digest: bytes, payload: memoryview) -> None:
-        hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
-        crc = fsformat.checksum(payload)
-        head = fsformat.encode_header(
-            fingerprint, digest, self.payload_bytes, crc, auth_key=self._key, payload=payload
-        )
-        hdr[: len(head)] = head
-        total = self.file_bytes
-        written = _pwritev(fd, [hdr, payload], 0)
-        while written < total:  # short writes: continue where it stopped
-            if written < fsformat.HEADER_SIZE:
-                raise OSError(errno.EIO, "short header write")
-            n = _pwritev(fd, [payload[written - fsformat.HEADER_SIZE :]], written)
-            if n <= 0:
-                raise OSError(errno.EIO, "pwritev wrote nothing")
-            written += n
 
     def _read_task(
         self, key: bytes, digest: bytes, block_id: int, views: Sequence[memoryview]
@@ -909,59 +810,18 @@ class FileSystemTier(SecondaryTier):
         digest: bytes,
         payload: memoryview,
     ) -> None:
-        """Read with O_DIRECT when the tier uses it; retried buffered if O_DIRECT refuses
-        the buffer (EINVAL: not aligned)."""
-        folder = self.fsdirs.shard(rank, shard)
-        try:
-            self._read_file_as(folder, name, fingerprint, digest, payload, self.direct)
-        except OSError as exc:
-            if not (self.direct and exc.errno == errno.EINVAL):
-                raise
-            self._read_file_as(folder, name, fingerprint, digest, payload, False)
-
-    def _read_file_as(
-        self,
-        folder: int,
-        name: str,
-        fingerprint: bytes,
-        digest: bytes,
-        payload: memoryview,
-        direct: bool,
-    ) -> None:
-        hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
         # A file longer than a block file reads into one page of slack.
-        tail = self._thread_buffer("tail", fsformat.ALIGNMENT)
-        # O_NONBLOCK: a FIFO planted under that name fails the read instead of hanging;
-        # O_NOFOLLOW: a symlink planted there fails it instead of reading its target.
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
-        fd = os.open(name, flags, dir_fd=folder)
-        try:
-            # Whoever could put a file here, only this tier's own are read: this user's,
-            # a regular file with no other link.
-            st = os.fstat(fd)
-            why = foreign(st)
-            if why is not None:
-                raise fsformat.FormatError(TierFault.FOREIGN, why)
-            want = self.file_bytes
-            got = _preadv(fd, [hdr, payload, tail], 0)
-            while got < want:
-                if got < fsformat.HEADER_SIZE:
-                    raise fsformat.FormatError(TierFault.TRUNCATED, "short header read")
-                n = _preadv(fd, [payload[got - fsformat.HEADER_SIZE :], tail], got)
-                if n <= 0:
-                    raise fsformat.FormatError(TierFault.TRUNCATED, f"{got} of {want} bytes")
-                got += n
-            if got > want:
-                raise fsformat.FormatError(TierFault.CORRUPT, f"longer than {want} bytes")
-        finally:
-            os.close(fd)
-        crc = fsformat.decode_header(
-            hdr, fingerprint=fingerprint, digest=digest, payload_len=self.payload_bytes
+        fs_io.read_block(
+            self.fsdirs.shard(rank, shard),
+            name,
+            self._thread_buffer("hdr", fsformat.HEADER_SIZE),
+            self._thread_buffer("tail", fsformat.ALIGNMENT),
+            fingerprint,
+            digest,
+            payload,
+            self._key,
+            self.direct,
         )
-        if fsformat.checksum(payload) != crc:
-            raise fsformat.FormatError(TierFault.CORRUPT, "payload checksum mismatch")
-        if self._key is not None:
-            fsformat.check_mac(hdr, payload, self._key)
 
     def _unlink_task(self, digest: bytes) -> None:
         shard, name = self._where(digest)
