@@ -365,7 +365,7 @@ def pd(session: nox.Session) -> None:
     store = PACKAGES["kvtier-tiering-spec"].folder / "tests/tiering_spec_tests"
     session.run(
         "pytest", "-p", "no:cacheprovider", str(test),
-        str(store / "test_storetier.py"), str(store / "test_store_e2e.py"),
+        str(store / "test_store_tier.py"), str(store / "test_store_e2e.py"),
         env={"KVTIER_PD_MOONCAKE": "1", "KVTIER_REQUIRE_MOONCAKE": "1"},
     )  # fmt: skip
     # The store tier against Mooncake's client on the same bytes (bench-tiering's (d)),

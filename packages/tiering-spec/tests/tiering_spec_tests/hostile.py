@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tiering_spec import fsformat
+from kvtier.tiering_spec.tiers import fs_format
 
 OTHER_UID = 54321  # no account: an id no file of the host belongs to
 
@@ -52,9 +52,9 @@ def forged_block(fingerprint: bytes, key: bytes, payload: bytes) -> bytes:
     """A block file for ``key`` with any payload, made from public facts alone (the
     fingerprint is a folder's name, keys are vLLM's block hashes): valid header and
     checksum."""
-    digest = fsformat.key_digest(key)
-    head = fsformat.encode_header(fingerprint, digest, len(payload), fsformat.checksum(payload))
-    return head + bytes(fsformat.HEADER_SIZE - len(head)) + payload
+    digest = fs_format.key_digest(key)
+    head = fs_format.encode_header(fingerprint, digest, len(payload), fs_format.checksum(payload))
+    return head + bytes(fs_format.HEADER_SIZE - len(head)) + payload
 
 
 def plant(path: Path, data: bytes) -> None:

@@ -43,7 +43,7 @@ def main() -> None:
     try:
         store = None
         if mode == "store":
-            store = kv_connector_of(llm).connector_scheduler.manager.core.fs_tiers[0]
+            store = kv_connector_of(llm).connector_scheduler.manager.core.secondary_tiers[0]
             if not store.wait_connected(60):
                 raise SystemExit("the store tier did not connect")
         outputs: list[list[int]] = []

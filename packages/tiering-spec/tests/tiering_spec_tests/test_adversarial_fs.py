@@ -24,12 +24,11 @@ from typing import Any
 import pytest
 
 from kvtier.blockpool import HostBlockPool
-from kvtier.tiering_spec import fsformat, fstier
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig, parse_config
-from kvtier.tiering_spec.fsformat import key_digest
-from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.manager import Lookup, TierManager
-from kvtier.tiering_spec.tiers import fs_io
+from kvtier.tiering_spec.tiers import fs_format, fs_io, fs_tier
+from kvtier.tiering_spec.tiers.fs_format import key_digest
+from kvtier.tiering_spec.tiers.fs_tier import FileSystemTier
 
 from .hostile import OTHER_UID, as_other_user, forged_block, need_root, plant
 from .tier_support import PAYLOAD, Region, layouts, wait_results
@@ -40,7 +39,7 @@ FORGED = b"\x66" * PAYLOAD  # what the hostile user wants served
 @pytest.fixture(autouse=True)
 def quick_discovery(monkeypatch: pytest.MonkeyPatch) -> None:
     """The background look for other engines' files every 20 ms instead of 1 s."""
-    monkeypatch.setattr(fstier, "DISCOVER_INTERVAL_S", 0.02)
+    monkeypatch.setattr(fs_tier, "DISCOVER_INTERVAL_S", 0.02)
 
 
 @pytest.fixture
@@ -86,7 +85,7 @@ def write(tier: FileSystemTier, region: Region, key: bytes, block: int) -> None:
 
 def settle_discovery(tier: FileSystemTier, rounds: int = 10) -> None:
     """Let the background thread look several times, then take in what it found."""
-    time.sleep(rounds * fstier.DISCOVER_INTERVAL_S + 0.1)
+    time.sleep(rounds * fs_tier.DISCOVER_INTERVAL_S + 0.1)
     tier.poll()
 
 
@@ -231,7 +230,7 @@ def test_every_folder_is_made_0700_whatever_the_umask(tmp_path: Path, tiers: lis
     made = [tmp_path / "a", tmp_path / "a" / "b", *[p for p in root.rglob("*") if p.is_dir()]]
     modes = {str(p.relative_to(tmp_path)): oct(stat.S_IMODE(p.stat().st_mode)) for p in made}
     assert set(modes.values()) == {"0o700"}, modes
-    assert len(modes) >= 2 + 2 + fsformat.NUM_SHARDS and tier.dirs
+    assert len(modes) >= 2 + 2 + fs_format.NUM_SHARDS and tier.dirs
 
 
 def test_a_hard_link_under_a_block_name_is_never_loaded(
@@ -344,7 +343,7 @@ def test_discovery_holds_at_most_the_new_files_while_nobody_polls(
     wait_results(other, 48)
     files = 48
     for i in range(16):  # keep changing the shard folders for 16 discovery rounds
-        time.sleep(fstier.DISCOVER_INTERVAL_S)
+        time.sleep(fs_tier.DISCOVER_INTERVAL_S)
         key = b"more-%d" % i
         other.submit_write(key, key_digest(key), 48 + i)
         wait_results(other, 1)
@@ -362,7 +361,7 @@ def test_a_full_disk_once_then_room_again_brings_the_capacity_back(
     tmp_path: Path, tiers: list[FileSystemTier], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     region = Region(24)
-    entry = fsformat.HEADER_SIZE + PAYLOAD
+    entry = fs_format.HEADER_SIZE + PAYLOAD
     tier = start(tiers, tmp_path / "fs", region, capacity=20 * entry)
     for i in range(10):
         write(tier, region, b"old-%d" % i, i)
@@ -390,7 +389,7 @@ def test_a_full_disk_once_then_room_again_brings_the_capacity_back(
     free["bytes"] = 1 << 30  # room again
     deadline = time.monotonic() + 5
     while tier.capacity_bytes != 20 * entry and time.monotonic() < deadline:
-        time.sleep(fstier.DISCOVER_INTERVAL_S)
+        time.sleep(fs_tier.DISCOVER_INTERVAL_S)
         tier.poll()
     assert tier.capacity_bytes == 20 * entry, "the capacity never grew back"
     for i in range(11, 20):
@@ -406,7 +405,7 @@ def test_a_taken_over_file_looks_fresh_to_another_engines_start_up_scan(
 ) -> None:
     """A full tier overwrites an evicted file in place under a temporary name; another
     engine starting meanwhile must not remove it as a stale temporary file."""
-    entry = fsformat.HEADER_SIZE + PAYLOAD
+    entry = fs_format.HEADER_SIZE + PAYLOAD
     region = Region(4)
     tier = start(tiers, tmp_path / "fs", region, capacity=2 * entry)
     write(tier, region, b"a", 0)
@@ -469,7 +468,7 @@ def test_forged_files_of_another_user_never_reach_the_engine(tmp_path: Path) -> 
     cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(tmp_path / "fs"))
 
     def fs_tier(llm: Any) -> Any:
-        tier = kv_connector_of(llm).connector_scheduler.manager.core.fs_tiers[0]
+        tier = kv_connector_of(llm).connector_scheduler.manager.core.secondary_tiers[0]
         return SimpleNamespace(stats=tier.stats, faults=tier.faults())
 
     reference, _ = run_with(model, workload, **ROOMY)
@@ -481,9 +480,9 @@ def test_forged_files_of_another_user_never_reach_the_engine(tmp_path: Path) -> 
     for path in (tmp_path / "fs").rglob("*.kv"):
         data = path.read_bytes()
         fp, digest = data[16:32], data[32:48]
-        payload = os.urandom(len(data) - fsformat.HEADER_SIZE)
-        head = fsformat.encode_header(fp, digest, len(payload), fsformat.checksum(payload))
-        path.write_bytes(head + bytes(fsformat.HEADER_SIZE - len(head)) + payload)
+        payload = os.urandom(len(data) - fs_format.HEADER_SIZE)
+        head = fs_format.encode_header(fp, digest, len(payload), fs_format.checksum(payload))
+        path.write_bytes(head + bytes(fs_format.HEADER_SIZE - len(head)) + payload)
         os.chown(path, OTHER_UID, OTHER_UID)
         forged += 1
     assert forged == first.stats.writes

@@ -86,7 +86,7 @@ class EngineStart:
             pin=False,
         )
         self.manager = self.spec.get_manager()
-        self.fs = self.manager.core.fs_tiers[0]
+        self.fs = self.manager.core.secondary_tiers[0]
         assert self.fs.wait_scan(30), "the start-up scan did not finish"
         # kvtier's connector as vLLM's scheduler drives it (no engine behind it).
         self.connector = object.__new__(OffloadingConnector)
@@ -276,7 +276,7 @@ def test_an_engine_restarted_with_a_retrained_adapter_matches_vllm_alone(
                 lora_request=LoRARequest("support-bot", 1, str(path)),
                 use_tqdm=False,
             )
-            fs = kv_connector_of(llm).connector_scheduler.manager.core.fs_tiers if kv else []
+            fs = kv_connector_of(llm).connector_scheduler.manager.core.secondary_tiers if kv else []
             stats = fs[0].stats if fs else None
         return [list(r.outputs[0].token_ids) for r in results], stats
 

@@ -23,11 +23,12 @@ from typing import Any
 import pytest
 
 from kvtier.blockpool import HostBlockPool
-from kvtier.tiering_spec import auth, fsformat
+from kvtier.tiering_spec import auth
 from kvtier.tiering_spec.config import ConfigError, parse_fs_tier, parse_mooncake_tier
-from kvtier.tiering_spec.fsformat import key_digest
 from kvtier.tiering_spec.manager import Lookup, TierManager
-from kvtier.tiering_spec.storetier import (
+from kvtier.tiering_spec.tiers import fs_format
+from kvtier.tiering_spec.tiers.fs_format import key_digest
+from kvtier.tiering_spec.tiers.store_tier import (
     MAX_BATCH,
     MAX_PENDING_PROBES,
     MAX_STUCK_CALLS,
@@ -166,15 +167,15 @@ def plant(tier: StoreTier, key: bytes, payload: bytes, mac_key: bytes | None = N
     """An object for ``key`` as anyone who reaches the master can write it: every
     header field is computable from public facts."""
     digest = key_digest(key)
-    header = fsformat.encode_header(
+    header = fs_format.encode_header(
         tier.fingerprints[0],
         digest,
         len(payload),
-        fsformat.checksum(payload),
+        fs_format.checksum(payload),
         auth_key=mac_key,
         payload=payload,
     )
-    page = header + bytes(fsformat.HEADER_SIZE - len(header))
+    page = header + bytes(fs_format.HEADER_SIZE - len(header))
     client = tier._connect()
     assert isinstance(client, FakeClient)
     client.master.objects[tier.object_keys(digest)[0]] = page + payload
@@ -426,15 +427,15 @@ def test_with_a_key_a_planted_object_is_never_loaded(make_tier: Any) -> None:
     plant(tier, tampered, foreign(6), KEY)
     name = tier.object_keys(key_digest(tampered))[0]
     obj = bytearray(master.objects[name])
-    obj[fsformat.HEADER_SIZE :] = foreign(66)
-    head = fsformat.encode_header(
+    obj[fs_format.HEADER_SIZE :] = foreign(66)
+    head = fs_format.encode_header(
         tier.fingerprints[0],
         key_digest(tampered),
         PAYLOAD,
-        fsformat.checksum(foreign(66)),
+        fs_format.checksum(foreign(66)),
         auth_key=os.urandom(32),
         payload=foreign(66),
-    )[: fsformat.MAC_OFFSET]
+    )[: fs_format.MAC_OFFSET]
     obj[: len(head)] = head  # the MAC flag, a valid CRC and XXH3; the old MAC kept
     master.objects[name] = bytes(obj)
     for key in [*cases, tampered]:
@@ -466,7 +467,7 @@ def test_with_a_key_objects_of_the_same_key_are_loaded(make_tier: Any) -> None:
     assert writer.stats.writes == 1
     name = writer.object_keys(key_digest(key))[0]
     flags = int.from_bytes(master.objects[name][14:16], "little")
-    assert flags & fsformat.FLAG_MAC
+    assert flags & fs_format.FLAG_MAC
     pool = HostBlockPool(2)
     rmgr = TierManager(pool, [reader])
     got, _ = lookup_until(rmgr, key, lambda g: g is not Lookup.HIT_PENDING)
@@ -540,13 +541,13 @@ def test_auth_key_file_in_both_tier_configs(tmp_path: Path) -> None:
 
 def test_header_mac_covers_header_and_payload() -> None:
     fp, dg, payload = b"f" * 16, b"d" * 16, foreign(3)
-    header = fsformat.encode_header(
-        fp, dg, PAYLOAD, fsformat.checksum(payload), auth_key=KEY, payload=payload
+    header = fs_format.encode_header(
+        fp, dg, PAYLOAD, fs_format.checksum(payload), auth_key=KEY, payload=payload
     )
-    assert len(header) == fsformat.HEADER_USED_MAC
-    page = header + bytes(fsformat.HEADER_SIZE - len(header))
-    assert fsformat.decode_header(page, fingerprint=fp, digest=dg, payload_len=PAYLOAD)
-    fsformat.check_mac(page, payload, KEY)
+    assert len(header) == fs_format.HEADER_USED_MAC
+    page = header + bytes(fs_format.HEADER_SIZE - len(header))
+    assert fs_format.decode_header(page, fingerprint=fp, digest=dg, payload_len=PAYLOAD)
+    fs_format.check_mac(page, payload, KEY)
     changed = bytearray(payload)
     changed[-1] ^= 1
     for bad_page, bad_payload, key in (
@@ -554,10 +555,10 @@ def test_header_mac_covers_header_and_payload() -> None:
         (page, payload, os.urandom(32)),
         (page[:40] + b"\x00" + page[41:], payload, KEY),  # a header field changed
     ):
-        with pytest.raises(fsformat.FormatError) as err:
-            fsformat.check_mac(bad_page, bad_payload, key)
+        with pytest.raises(fs_format.FormatError) as err:
+            fs_format.check_mac(bad_page, bad_payload, key)
         assert err.value.kind == "unauthenticated"
-    plain = fsformat.encode_header(fp, dg, PAYLOAD, fsformat.checksum(payload))
-    assert len(plain) == fsformat.HEADER_USED
-    with pytest.raises(fsformat.FormatError, match="no MAC"):
-        fsformat.check_mac(plain + bytes(4028), payload, KEY)
+    plain = fs_format.encode_header(fp, dg, PAYLOAD, fs_format.checksum(payload))
+    assert len(plain) == fs_format.HEADER_USED
+    with pytest.raises(fs_format.FormatError, match="no MAC"):
+        fs_format.check_mac(plain + bytes(4028), payload, KEY)

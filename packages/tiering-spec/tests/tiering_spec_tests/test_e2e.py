@@ -54,7 +54,7 @@ def inspect(llm: Any) -> dict[str, Any]:
     core = kv_connector_of(llm).connector_scheduler.manager.core
     return {
         "counters": core.counters,
-        "fs": [(t.stats, t.faults()) for t in core.fs_tiers],
+        "fs": [(t.stats, t.faults()) for t in core.secondary_tiers],
     }
 
 

@@ -61,7 +61,11 @@ def without_offload(model: Path) -> Any:
 def fs_reads(llm: Any) -> Any:
     """The fs tier's stats and faults, or None without one."""
     core = kv_connector_of(llm).connector_scheduler.manager.core
-    return (core.fs_tiers[0].stats, core.fs_tiers[0].faults()) if core.fs_tiers else None
+    return (
+        (core.secondary_tiers[0].stats, core.secondary_tiers[0].faults())
+        if core.secondary_tiers
+        else None
+    )
 
 
 def offload(spec_name: str, host_blocks: int, **extra: Any) -> Any:

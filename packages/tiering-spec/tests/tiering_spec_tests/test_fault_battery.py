@@ -12,7 +12,7 @@ following links, so a link planted under a block's name is never read.
 
 Item 2, never fill a disk: a default capacity from the free space, the restart scan
 (damaged, stale and old-fingerprint files) in the background; ENOSPC handling is in
-test_fstier.
+test_fs_tier.
 
 Item 4, storage never blocks the scheduler: no filesystem call on a lookup; a folder
 deleted at run time is made again; a cache reset and a shutdown wait for hung fs jobs
@@ -38,11 +38,10 @@ from typing import Any
 
 import pytest
 
-from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig, parse_config
-from kvtier.tiering_spec.fstier import FileSystemTier
 from kvtier.tiering_spec.identity import digest_model, model_files
-from kvtier.tiering_spec.tiers import fs_scan
+from kvtier.tiering_spec.tiers import fs_format, fs_scan
+from kvtier.tiering_spec.tiers.fs_tier import FileSystemTier
 
 from .tier_support import wait_results
 
@@ -178,7 +177,7 @@ def test_thread_counts_are_bounded(tmp_path: Path, key: str) -> None:
 
 def test_a_capacity_smaller_than_one_file_is_refused(tmp_path: Path) -> None:
     payload = 8192
-    entry = fsformat.HEADER_SIZE + payload
+    entry = fs_format.HEADER_SIZE + payload
     cfg = FsTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=entry - 1)
     with pytest.raises(ConfigError, match=rf"capacity_bytes={entry - 1} .* at least {entry}"):
         FileSystemTier(cfg, [{"model": "unit", "rank": 0}], payload, lambda: None)
@@ -243,7 +242,7 @@ def test_a_shard_directory_swapped_for_a_link_is_refused_at_start(tmp_path: Path
 def test_a_link_under_a_block_name_is_neither_indexed_nor_read(tmp_path: Path) -> None:
     import mmap
 
-    from kvtier.tiering_spec.fsformat import key_digest
+    from kvtier.tiering_spec.tiers.fs_format import key_digest
 
     payload = 8192
     region = mmap.mmap(-1, 2 * payload)
@@ -275,7 +274,7 @@ def test_a_link_under_a_block_name_is_neither_indexed_nor_read(tmp_path: Path) -
 def _written_tier(root: Path, keys: list[bytes], payload: int = 8192) -> FileSystemTier:
     import mmap
 
-    from kvtier.tiering_spec.fsformat import key_digest
+    from kvtier.tiering_spec.tiers.fs_format import key_digest
 
     region = mmap.mmap(-1, max(1, len(keys)) * payload)
     tier = make_fs_tier(root, payload, lambda: [memoryview(region)])
@@ -296,7 +295,7 @@ def test_without_capacity_bytes_the_tier_takes_half_the_free_space(tmp_path: Pat
 
 
 def test_the_restart_scan_removes_damaged_and_stale_files(tmp_path: Path) -> None:
-    from kvtier.tiering_spec.fsformat import TMP_PREFIX, key_digest
+    from kvtier.tiering_spec.tiers.fs_format import TMP_PREFIX, key_digest
 
     root = tmp_path / "fs"
     first = _written_tier(root, [b"a", b"b", b"c"])
@@ -321,7 +320,7 @@ def test_the_restart_scan_removes_old_fingerprints_past_the_age_limit(tmp_path: 
 
     root = tmp_path / "fs"
     make_fs_tier(root).shutdown()
-    base = root / fsformat.FORMAT_DIR
+    base = root / fs_format.FORMAT_DIR
     old, recent = base / ("0" * 32), base / ("1" * 32)
     for d in (old, recent):
         (d / "3").mkdir(parents=True)
@@ -339,7 +338,7 @@ def test_the_restart_scan_removes_old_fingerprints_past_the_age_limit(tmp_path: 
 def test_the_engine_starts_before_the_scan_ends_and_serves_what_it_finds(
     tmp_path: Path,
 ) -> None:
-    from kvtier.tiering_spec.fsformat import key_digest
+    from kvtier.tiering_spec.tiers.fs_format import key_digest
 
     root = tmp_path / "fs"
     _written_tier(root, [b"a"]).shutdown()
@@ -356,7 +355,7 @@ def test_the_engine_starts_before_the_scan_ends_and_serves_what_it_finds(
 def test_a_lookup_never_touches_the_filesystem(tmp_path: Path, monkeypatch) -> None:
     import threading
 
-    from kvtier.tiering_spec.fsformat import key_digest
+    from kvtier.tiering_spec.tiers.fs_format import key_digest
 
     tier = _written_tier(tmp_path / "fs", [b"a"])
     main = threading.get_ident()
@@ -380,7 +379,7 @@ def test_a_lookup_never_touches_the_filesystem(tmp_path: Path, monkeypatch) -> N
 def test_a_shard_folder_deleted_at_run_time_is_made_again(tmp_path: Path) -> None:
     import mmap
 
-    from kvtier.tiering_spec.fsformat import key_digest
+    from kvtier.tiering_spec.tiers.fs_format import key_digest
 
     payload = 8192
     region = mmap.mmap(-1, 2 * payload)
@@ -451,8 +450,8 @@ def test_a_reset_does_not_wait_forever_for_a_hung_read(tmp_path: Path, monkeypat
 def test_shutdown_returns_despite_a_hung_read_and_counts_it(tmp_path: Path, monkeypatch) -> None:
     import mmap
 
-    from kvtier.tiering_spec import fstier
-    from kvtier.tiering_spec.fsformat import key_digest
+    from kvtier.tiering_spec.tiers import fs_tier
+    from kvtier.tiering_spec.tiers.fs_format import key_digest
 
     payload = 8192
     region = mmap.mmap(-1, 2 * payload)
@@ -460,7 +459,7 @@ def test_shutdown_returns_despite_a_hung_read_and_counts_it(tmp_path: Path, monk
     assert tier.submit_write(b"k", key_digest(b"k"), 0)
     wait_results(tier)
     release = _hung_reads(monkeypatch)
-    monkeypatch.setattr(fstier, "SHUTDOWN_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(fs_tier, "SHUTDOWN_TIMEOUT_S", 0.3)
     assert tier.submit_read(b"k", key_digest(b"k"), 1)
     t0 = time.monotonic()
     assert tier.shutdown() is False, "a stuck I/O thread must be reported"
@@ -518,11 +517,11 @@ def spec_fingerprint(
         head_size=head_size,
         layer_major=layer_major,
     )
-    cache = root / fsformat.FORMAT_DIR / "weight-digests.json"
+    cache = root / fs_format.FORMAT_DIR / "weight-digests.json"
     cache.parent.mkdir(parents=True, exist_ok=True)
     identity, persistent = tiering.engine_identity(str(cache))
     layout = tiering._layouts(identity)[rank]
-    return fsformat.layout_fingerprint(layout), layout, persistent
+    return fs_format.layout_fingerprint(layout), layout, persistent
 
 
 @pytest.fixture(scope="module")
@@ -616,7 +615,7 @@ def _run_with_fs_tier(model: Path, root_dir: Path) -> tuple[Any, Any]:
     cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(root_dir))
 
     def fs_stats(llm: Any) -> Any:
-        return kv_connector_of(llm).connector_scheduler.manager.core.fs_tiers[0].stats
+        return kv_connector_of(llm).connector_scheduler.manager.core.secondary_tiers[0].stats
 
     return run_with(
         model,

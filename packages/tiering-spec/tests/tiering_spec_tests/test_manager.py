@@ -7,9 +7,10 @@ import time
 import pytest
 
 from kvtier.blockpool import HostBlockPool
-from kvtier.tiering_spec import fsformat, metrics
-from kvtier.tiering_spec.fsformat import key_digest
+from kvtier.tiering_spec import metrics
 from kvtier.tiering_spec.manager import FRESH_STEPS, Lookup, TierManager
+from kvtier.tiering_spec.tiers import fs_format
+from kvtier.tiering_spec.tiers.fs_format import key_digest
 
 from .tier_support import PAYLOAD, Region
 
@@ -171,7 +172,7 @@ def test_a_full_fs_tier_drops_the_copy_of_a_block_the_host_tier_serves(make_tier
     (room for 3) is told of what it served and what was stored, not of host hits, so h
     is no more used there than the others: being the oldest, its copy goes for c."""
     region = Region(4)
-    tier = make_tier(region, capacity=3 * (fsformat.HEADER_SIZE + PAYLOAD))
+    tier = make_tier(region, capacity=3 * (fs_format.HEADER_SIZE + PAYLOAD))
     mgr = TierManager(HostBlockPool(4), [tier], max_write_backlog=64)
     store(mgr, region, [b"h"])
     settle(mgr)  # written through: the fs tier's policy knows h

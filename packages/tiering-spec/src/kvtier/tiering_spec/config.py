@@ -598,9 +598,9 @@ def parse_mooncake_tier(
 
 def check_directory(path: str, key: str) -> None:
     """Create ``path`` and its missing parents (mode 0700) and check it is a writable
-    directory of this user that no other user can change (see ``fsdirs``)."""
-    # fsdirs imports this module for ConfigError.
-    from kvtier.tiering_spec.fsdirs import make_private_dirs
+    directory of this user that no other user can change (see ``tiers.fs_dirs``)."""
+    # fs_dirs imports this module for ConfigError.
+    from kvtier.tiering_spec.tiers.fs_dirs import make_private_dirs
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key}={path!r} exists and is not a directory")

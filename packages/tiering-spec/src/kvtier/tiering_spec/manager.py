@@ -35,8 +35,8 @@ from kvtier.blockpool import (
     PoolStats,
     StoreAdmissionFilter,
 )
-from kvtier.tiering_spec.fsformat import key_digest
 from kvtier.tiering_spec.tiers.base import SecondaryTier, TierFault
+from kvtier.tiering_spec.tiers.fs_format import key_digest
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -76,7 +76,7 @@ class TierManager:
 
     Args:
         pool: the host tier's block pool (capacity = host blocks).
-        fs_tiers: secondary tiers, searched in order on a host miss.
+        secondary_tiers: secondary tiers, searched in order on a host miss.
         max_write_backlog: host blocks that may be pinned waiting for fs writes;
             beyond it new write-throughs are dropped (counted). Default: 3/4 of the pool.
         store_threshold: offers of a key before it is stored; 2 or more puts the
@@ -87,7 +87,7 @@ class TierManager:
     def __init__(
         self,
         pool: HostBlockPool,
-        fs_tiers: Sequence[SecondaryTier] = (),
+        secondary_tiers: Sequence[SecondaryTier] = (),
         *,
         max_write_backlog: int | None = None,
         store_threshold: int = 0,
@@ -99,7 +99,7 @@ class TierManager:
             if store_threshold >= 2
             else None
         )
-        self.fs_tiers = list(fs_tiers)
+        self.secondary_tiers = list(secondary_tiers)
         self.max_write_backlog = (
             max_write_backlog if max_write_backlog is not None else max(1, pool.num_blocks * 3 // 4)
         )
@@ -142,11 +142,11 @@ class TierManager:
                 return Lookup.MISS
             self._pass_keys.append(key)
             return Lookup.HIT_PENDING
-        if not self.fs_tiers or not secondary:
+        if not self.secondary_tiers or not secondary:
             return Lookup.MISS
         digest = key_digest(key)
         unknown = False
-        for idx, tier in enumerate(self.fs_tiers):
+        for idx, tier in enumerate(self.secondary_tiers):
             found = tier.contains(digest)
             if found is None:  # a store tier is asking its store: ask again next step
                 unknown = True
@@ -199,9 +199,9 @@ class TierManager:
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self.pool.touch(keys)
-        if self.fs_tiers:
+        if self.secondary_tiers:
             digests = [key_digest(k) for k in keys]
-            for tier in self.fs_tiers:
+            for tier in self.secondary_tiers:
                 tier.touch(digests)
 
     def finish_request(self, keys: Sequence[bytes], reused: Collection[bytes]) -> None:
@@ -215,7 +215,7 @@ class TierManager:
         the host tier with the same policy would otherwise keep the same blocks)."""
         self.pool.finish_request(keys, reused)
         sources = self._load_sources
-        for tier in self.fs_tiers:
+        for tier in self.secondary_tiers:
             used = [k for k in keys if k not in reused or sources.get(k) == tier.name]
             if used:
                 digests = [key_digest(k) for k in used]
@@ -259,12 +259,12 @@ class TierManager:
         if not success:
             self.counters.store_failures += sum(1 for k in keys if self.pool.is_storing(k))
         self.pool.complete_store(keys, success)
-        if success and secondary and self.fs_tiers:
+        if success and secondary and self.secondary_tiers:
             self._write_through(keys)
 
     def _write_through(self, keys: Sequence[bytes]) -> None:
         pool = self.pool
-        for tier in self.fs_tiers:
+        for tier in self.secondary_tiers:
             for key in keys:
                 if not pool.contains(key):
                     continue
@@ -287,7 +287,7 @@ class TierManager:
         jobs in flight or not: a poll also takes in what the tier found on its own (a
         start-up scan, files other engines wrote, probe answers)."""
         pool = self.pool
-        for tier in self.fs_tiers:
+        for tier in self.secondary_tiers:
             for res in tier.poll():
                 if res.op == "release":  # a timed-out read's late call is over
                     if res.key in self._held:
@@ -340,14 +340,14 @@ class TierManager:
 
     def has_pending_work(self) -> bool:
         """Whether fs jobs are in flight (the engine must keep stepping to finish them)."""
-        return any(t.in_flight for t in self.fs_tiers)
+        return any(t.in_flight for t in self.secondary_tiers)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait for every fs job (at most ``timeout`` seconds in all); False if some
         are still running (counted as ``timeout`` faults of their tiers)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         done = True
-        for tier in self.fs_tiers:
+        for tier in self.secondary_tiers:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             done = tier.drain(left) and done
         self.poll()
@@ -382,7 +382,7 @@ class TierManager:
         """Stop the fs tiers; False if one still has an I/O call running (its host
         region must then stay mapped)."""
         clean = True
-        for tier in self.fs_tiers:
+        for tier in self.secondary_tiers:
             try:
                 clean = tier.shutdown() and clean
             except Exception:

@@ -299,7 +299,7 @@ class MetricsEmitter:
         host = ("CPU",)
         yield "counter", CHUNK_QUERIES, self._delta(CHUNK_QUERIES, host, c.host_queries), host
         yield "counter", CHUNK_HITS, self._delta(CHUNK_HITS, host, c.host_hits), host
-        for tier in core.fs_tiers:
+        for tier in core.secondary_tiers:
             lab = (tier.name,)
             s = tier.stats
             faults = tier.faults()

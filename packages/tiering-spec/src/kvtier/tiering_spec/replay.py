@@ -197,7 +197,7 @@ def kvtier_manager(
     (default: ``policy`` where the fs tier knows it by name, else the tier's default)."""
     from kvtier.blockpool import HostRegion
     from kvtier.tiering_spec import vllm_adapter
-    from kvtier.tiering_spec.fsformat import HEADER_SIZE
+    from kvtier.tiering_spec.tiers.fs_format import HEADER_SIZE
 
     extra: dict[str, Any] = {
         "cpu_bytes_to_use": capacity * PAYLOAD_BYTES,
@@ -282,7 +282,7 @@ def replay(
     HIT, MISS = LookupResult.HIT, LookupResult.MISS
     core: Any = getattr(manager, "core", None)  # kvtier's TierManager, else vLLM's manager
     note_new = getattr(manager, "note_new_request", None)
-    fs = bool(core is not None and core.fs_tiers)
+    fs = bool(core is not None and core.secondary_tiers)
     counters = core.counters if core is not None else None
     stats = RunStats()
     lookup, end = manager.lookup, manager.on_schedule_end

@@ -43,11 +43,11 @@ from kvtier.tiering_spec.config import (
     OffloadConfig,
     parse_config,
 )
-from kvtier.tiering_spec.fsdirs import make_private_dirs
-from kvtier.tiering_spec.fsformat import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
 from kvtier.tiering_spec.manager import Lookup, TierManager
 from kvtier.tiering_spec.tiers.base import SecondaryTier
+from kvtier.tiering_spec.tiers.fs_dirs import make_private_dirs
+from kvtier.tiering_spec.tiers.fs_format import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.tiers.registry import TierSite, build_tier
 from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
 from kvtier.tiering_spec.worker import OffloadTransferWorker
@@ -490,7 +490,7 @@ class TieringOffloadingSpec(_KvtierSpec):
             return None
         return regions
 
-    def build_fs_tiers(self, on_regions: list[HostRegion]) -> list[SecondaryTier]:
+    def build_secondary_tiers(self, on_regions: list[HostRegion]) -> list[SecondaryTier]:
         """The secondary tiers, in order: fs tiers and store tiers."""
         if not self.settings.secondary_tiers:
             return []
@@ -615,7 +615,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self._arriving: tuple[str, bool] | None = None
         self._logged: set[str] = set()
         tiers = (
-            spec.build_fs_tiers(self._regions) if isinstance(spec, TieringOffloadingSpec) else []
+            spec.build_secondary_tiers(self._regions)
+            if isinstance(spec, TieringOffloadingSpec)
+            else []
         )
         s = spec.settings
         self.core = TierManager(
@@ -640,7 +642,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def _secondary(self, req_context: ReqContext) -> bool:
         """Whether the request may read and write the secondary (persistent) tiers."""
-        if not self.core.fs_tiers:
+        if not self.core.secondary_tiers:
             return True
         mark = _request_mark(req_context)
         if mark is not None:
@@ -743,7 +745,7 @@ class KvtierOffloadingManager(OffloadingManager):
         if arriving is not None and arriving[0] == req_context.req_id:
             has_lora = arriving[1]
             _mark_request(req_context, _RequestTiers(secondary=not has_lora))
-            if has_lora and self.core.fs_tiers:
+            if has_lora and self.core.secondary_tiers:
                 self._log_once(
                     "lora",
                     "kvtier: requests with a LoRA adapter use the host tier only, never the "
@@ -755,7 +757,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self.core.pool.take_events():
             yield compat.offloading_event(list(event.keys), event.kind == "removed")
-        for tier in self.core.fs_tiers:
+        for tier in self.core.secondary_tiers:
             for removed, keys in tier.take_events():
                 yield compat.offloading_event(
                     list(keys), removed, tier=tier.name, locality=tier.locality

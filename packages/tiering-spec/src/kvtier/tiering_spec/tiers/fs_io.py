@@ -4,7 +4,7 @@ A block file is written whole to a temporary name and renamed, and read with che
 this order: this user's regular file with one link (:func:`kvtier.tiering_spec.tiers.
 fs_scan.foreign`), exactly ``file_bytes`` long, the header (format, fingerprint, key,
 length), the payload's checksum, then the MAC where a key is configured. Any mismatch
-raises :class:`kvtier.tiering_spec.fsformat.FormatError` with its fault kind; an I/O
+raises :class:`kvtier.tiering_spec.tiers.fs_format.FormatError` with its fault kind; an I/O
 error raises ``OSError``. Each function takes the folder as a held file descriptor, so
 no path is resolved twice, and the scratch buffers from its caller (page aligned, for
 ``O_DIRECT``).
@@ -18,7 +18,7 @@ import errno
 import mmap
 import os
 
-from kvtier.tiering_spec import fsformat
+from kvtier.tiering_spec.tiers import fs_format
 from kvtier.tiering_spec.tiers.base import TierFault
 from kvtier.tiering_spec.tiers.fs_scan import foreign, own_block_file
 
@@ -36,19 +36,19 @@ def probe_o_direct(directory: str, dir_fd: int | None = None) -> bool:
     ``directory`` (the folder held by ``dir_fd`` when given)."""
     if not O_DIRECT:
         return False
-    name = f"{fsformat.TMP_PREFIX}odirect-probe-{os.getpid()}"
+    name = f"{fs_format.TMP_PREFIX}odirect-probe-{os.getpid()}"
     path = name if dir_fd is not None else os.path.join(directory, name)
-    buf = mmap.mmap(-1, fsformat.ALIGNMENT)
+    buf = mmap.mmap(-1, fs_format.ALIGNMENT)
     try:
         buf[:8] = b"kvtier!!"
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | O_DIRECT
         fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
         try:
-            if os.pwritev(fd, [buf], 0) != fsformat.ALIGNMENT:
+            if os.pwritev(fd, [buf], 0) != fs_format.ALIGNMENT:
                 return False
-            back = mmap.mmap(-1, fsformat.ALIGNMENT)
+            back = mmap.mmap(-1, fs_format.ALIGNMENT)
             try:
-                ok = os.preadv(fd, [back], 0) == fsformat.ALIGNMENT and back[:8] == b"kvtier!!"
+                ok = os.preadv(fd, [back], 0) == fs_format.ALIGNMENT and back[:8] == b"kvtier!!"
             finally:
                 back.close()
             return ok
@@ -84,17 +84,17 @@ def write_block(
 ) -> None:
     """Write one block file's header (built in ``hdr``) and ``payload`` to ``fd`` from
     offset 0, continuing after short writes."""
-    crc = fsformat.checksum(payload)
-    head = fsformat.encode_header(
+    crc = fs_format.checksum(payload)
+    head = fs_format.encode_header(
         fingerprint, digest, len(payload), crc, auth_key=auth_key, payload=payload
     )
     hdr[: len(head)] = head
-    total = fsformat.HEADER_SIZE + len(payload)
+    total = fs_format.HEADER_SIZE + len(payload)
     written = _pwritev(fd, [hdr, payload], 0)
     while written < total:  # short writes: continue where it stopped
-        if written < fsformat.HEADER_SIZE:
+        if written < fs_format.HEADER_SIZE:
             raise OSError(errno.EIO, "short header write")
-        n = _pwritev(fd, [payload[written - fsformat.HEADER_SIZE :]], written)
+        n = _pwritev(fd, [payload[written - fs_format.HEADER_SIZE :]], written)
         if n <= 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
         written += n
@@ -205,24 +205,24 @@ def _read_block(
         # a regular file with no other link.
         why = foreign(os.fstat(fd))
         if why is not None:
-            raise fsformat.FormatError(TierFault.FOREIGN, why)
-        want = fsformat.HEADER_SIZE + len(payload)
+            raise fs_format.FormatError(TierFault.FOREIGN, why)
+        want = fs_format.HEADER_SIZE + len(payload)
         got = _preadv(fd, [hdr, payload, tail], 0)
         while got < want:
-            if got < fsformat.HEADER_SIZE:
-                raise fsformat.FormatError(TierFault.TRUNCATED, "short header read")
-            n = _preadv(fd, [payload[got - fsformat.HEADER_SIZE :], tail], got)
+            if got < fs_format.HEADER_SIZE:
+                raise fs_format.FormatError(TierFault.TRUNCATED, "short header read")
+            n = _preadv(fd, [payload[got - fs_format.HEADER_SIZE :], tail], got)
             if n <= 0:
-                raise fsformat.FormatError(TierFault.TRUNCATED, f"{got} of {want} bytes")
+                raise fs_format.FormatError(TierFault.TRUNCATED, f"{got} of {want} bytes")
             got += n
         if got > want:
-            raise fsformat.FormatError(TierFault.CORRUPT, f"longer than {want} bytes")
+            raise fs_format.FormatError(TierFault.CORRUPT, f"longer than {want} bytes")
     finally:
         os.close(fd)
-    crc = fsformat.decode_header(
+    crc = fs_format.decode_header(
         hdr, fingerprint=fingerprint, digest=digest, payload_len=len(payload)
     )
-    if fsformat.checksum(payload) != crc:
-        raise fsformat.FormatError(TierFault.CORRUPT, "payload checksum mismatch")
+    if fs_format.checksum(payload) != crc:
+        raise fs_format.FormatError(TierFault.CORRUPT, "payload checksum mismatch")
     if auth_key is not None:
-        fsformat.check_mac(hdr, payload, auth_key)
+        fs_format.check_mac(hdr, payload, auth_key)

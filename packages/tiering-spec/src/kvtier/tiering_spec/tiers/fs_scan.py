@@ -10,8 +10,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.tiering_spec import fsformat
-from kvtier.tiering_spec.fsdirs import DIR_FLAGS, TierDirs
+from kvtier.tiering_spec.tiers import fs_format
+from kvtier.tiering_spec.tiers.fs_dirs import DIR_FLAGS, TierDirs
 
 # Temporary files older than this are a crashed write's: removed at start-up.
 STALE_TMP_S = 3600.0
@@ -32,7 +32,7 @@ class ScanReport:
 
 def named_entry(entry: os.DirEntry[str]) -> tuple[bytes, os.stat_result] | None:
     """(key digest, lstat) of a directory entry named like a block file, else None."""
-    digest = fsformat.parse_file_name(entry.name)
+    digest = fs_format.parse_file_name(entry.name)
     if digest is None:
         return None
     try:
@@ -121,7 +121,7 @@ class FsScanner:
         self._found: set[bytes] = set()
         # Per shard, the entries last seen on disk (reported or this tier's own): a
         # later look reports only what is new. At most the files on disk.
-        self._seen: list[set[bytes]] = [set() for _ in range(fsformat.NUM_SHARDS)]
+        self._seen: list[set[bytes]] = [set() for _ in range(fs_format.NUM_SHARDS)]
         self._shard_mtimes: dict[tuple[int, int], int] = {}
 
     @property
@@ -150,7 +150,7 @@ class FsScanner:
         last look, that were not there at that look (files other engines wrote): they
         wait in ``take_found`` (the background thread)."""
         found: set[bytes] = set()
-        for shard in range(fsformat.NUM_SHARDS):
+        for shard in range(fs_format.NUM_SHARDS):
             changed = False
             for rank in range(self.world_size):
                 try:
@@ -205,10 +205,10 @@ class FsScanner:
         now = time.time()
         report = ScanReport()
         per_rank: list[dict[bytes, float]] = []
-        by_shard: list[set[bytes]] = [set() for _ in range(fsformat.NUM_SHARDS)]
+        by_shard: list[set[bytes]] = [set() for _ in range(fs_format.NUM_SHARDS)]
         for rank in range(self.world_size):
             found: dict[bytes, float] = {}
-            for shard in range(fsformat.NUM_SHARDS):
+            for shard in range(fs_format.NUM_SHARDS):
                 fd = self.fsdirs.shard(rank, shard)
                 try:
                     self._shard_mtimes[(rank, shard)] = os.fstat(fd).st_mtime_ns
@@ -218,7 +218,7 @@ class FsScanner:
                 with it:
                     for entry in it:
                         report.files += 1
-                        if entry.name.startswith(fsformat.TMP_PREFIX):
+                        if entry.name.startswith(fs_format.TMP_PREFIX):
                             try:
                                 if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
                                     os.unlink(entry.name, dir_fd=fd)

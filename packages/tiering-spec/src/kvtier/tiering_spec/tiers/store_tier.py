@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from kvtier.tiering_spec import fsformat
+from kvtier.tiering_spec.tiers import fs_format
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
     SecondaryTier,
@@ -177,7 +177,7 @@ class StoreTier(SecondaryTier):
         region_views: Callable[[], Sequence[memoryview] | None],
         settings: StoreTierSettings = StoreTierSettings(),
     ) -> None:
-        if payload_bytes <= 0 or payload_bytes % fsformat.ALIGNMENT:
+        if payload_bytes <= 0 or payload_bytes % fs_format.ALIGNMENT:
             raise ValueError(
                 f"payload_bytes must be a positive multiple of 4096, got {payload_bytes}"
             )
@@ -187,11 +187,11 @@ class StoreTier(SecondaryTier):
         self.name = settings.name
         self._key = settings.auth_key
         self.payload_bytes = payload_bytes
-        self.object_bytes = fsformat.HEADER_SIZE + payload_bytes
+        self.object_bytes = fs_format.HEADER_SIZE + payload_bytes
         self.copies = len(layouts)
         self.entry_bytes = self.object_bytes * self.copies
-        self.fingerprints = [fsformat.layout_fingerprint(layout) for layout in layouts]
-        self._prefixes = [f"{fsformat.FORMAT_DIR}/{fp.hex()}/" for fp in self.fingerprints]
+        self.fingerprints = [fs_format.layout_fingerprint(layout) for layout in layouts]
+        self._prefixes = [f"{fs_format.FORMAT_DIR}/{fp.hex()}/" for fp in self.fingerprints]
         self._region_views = region_views
         # Base address of each copy's region, set by the connect thread once registered.
         self._regions: list[int] | None = None
@@ -202,7 +202,7 @@ class StoreTier(SecondaryTier):
         # registered with the client once it is connected.
         self._slot_pages = MAX_BATCH * self.copies
         self._headers = mmap.mmap(
-            -1, fsformat.HEADER_SIZE * self._slot_pages * (MAX_STUCK_CALLS + 1)
+            -1, fs_format.HEADER_SIZE * self._slot_pages * (MAX_STUCK_CALLS + 1)
         )
         self._headers_view = memoryview(self._headers)
         self._headers_addr = _address(self._headers_view)
@@ -471,7 +471,7 @@ class StoreTier(SecondaryTier):
                 out.append(res)
                 continue
             self._inflight -= 1
-            digest = fsformat.key_digest(res.key)
+            digest = fs_format.key_digest(res.key)
             if res.op == "write":
                 self._writing.discard(digest)
                 if res.ok:
@@ -567,7 +567,7 @@ class StoreTier(SecondaryTier):
                 "(metric vllm:kvtier_tier_faults{tier=%r,kind=%r}).",
                 self.name,
                 res.op,
-                fsformat.key_digest(res.key).hex(),
+                fs_format.key_digest(res.key).hex(),
                 kind,
                 self.name,
                 kind,
@@ -746,7 +746,7 @@ class StoreTier(SecondaryTier):
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
         payload = self.payload_bytes
-        hsize = fsformat.HEADER_SIZE
+        hsize = fs_format.HEADER_SIZE
         base = call.slot * self._slot_pages
         for i, (_, _key, digest, block) in enumerate(batch):
             for copy, name in enumerate(self.object_keys(digest)):
@@ -755,11 +755,11 @@ class StoreTier(SecondaryTier):
                 if op == "write":
                     data = views[copy][block * payload : (block + 1) * payload]
                     page = self._headers_view[slot * hsize : (slot + 1) * hsize]
-                    header = fsformat.encode_header(
+                    header = fs_format.encode_header(
                         self.fingerprints[copy],
                         digest,
                         payload,
-                        fsformat.checksum(data),
+                        fs_format.checksum(data),
                         auth_key=self._key,
                         payload=data,
                     )
@@ -839,28 +839,28 @@ class StoreTier(SecondaryTier):
             return TierFault.CORRUPT
         views = self._views
         assert views is not None
-        hsize = fsformat.HEADER_SIZE
+        hsize = fs_format.HEADER_SIZE
         payload = self.payload_bytes
         for copy in range(self.copies):
             slot = first + copy
             page = self._headers_view[slot * hsize : (slot + 1) * hsize]
             data = views[copy][block * payload : (block + 1) * payload]
             try:
-                crc = fsformat.decode_header(
+                crc = fs_format.decode_header(
                     page,
                     fingerprint=self.fingerprints[copy],
                     digest=digest,
                     payload_len=payload,
                 )
                 if self._key is not None:
-                    fsformat.check_mac(page, data, self._key)
-            except fsformat.FormatError as exc:
+                    fs_format.check_mac(page, data, self._key)
+            except fs_format.FormatError as exc:
                 return (
                     TierFault.UNAUTHENTICATED
                     if exc.kind == TierFault.UNAUTHENTICATED
                     else TierFault.CORRUPT
                 )
-            if fsformat.checksum(data) != crc:
+            if fs_format.checksum(data) != crc:
                 return TierFault.CORRUPT
         return None
 

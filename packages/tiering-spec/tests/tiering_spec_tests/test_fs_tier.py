@@ -12,9 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtier.tiering_spec import fsformat, fstier
-from kvtier.tiering_spec.fsformat import key_digest
-from kvtier.tiering_spec.tiers import fs_io
+from kvtier.tiering_spec.tiers import fs_format, fs_io, fs_tier
+from kvtier.tiering_spec.tiers.fs_format import key_digest
 
 from .tier_support import PAYLOAD, Region, wait_results
 
@@ -48,8 +47,8 @@ def test_file_layout_header_and_permissions(make_tier, tmp_path: Path) -> None:
     write(tier, region, b"key", 0, 1)
     [path] = tier.paths(key_digest(b"key"))
     raw = Path(path).read_bytes()
-    assert raw[:8] == fsformat.MAGIC
-    assert len(raw) == fsformat.HEADER_SIZE + PAYLOAD
+    assert raw[:8] == fs_format.MAGIC
+    assert len(raw) == fs_format.HEADER_SIZE + PAYLOAD
     assert Path(path).name == key_digest(b"key").hex() + ".kv"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     for d in (tier.dirs[0], os.path.dirname(path), str(tmp_path / "fs")):
@@ -104,7 +103,7 @@ def test_ranks_are_kept_apart_by_the_fingerprint(make_tier) -> None:
 
 def test_capacity_evicts_least_recently_used_first(make_tier) -> None:
     region = Region(4)
-    entry = fsformat.HEADER_SIZE + PAYLOAD
+    entry = fs_format.HEADER_SIZE + PAYLOAD
     tier = make_tier(region, capacity=3 * entry)
     for i, k in enumerate([b"a", b"b", b"c"]):
         write(tier, region, k, i % 4, i)
@@ -124,7 +123,7 @@ def test_the_tiers_policy_picks_what_a_full_tier_evicts(make_tier, policy, evict
     evicts a (used longest ago) for d; ARC and frecency keep it (used again) and evict
     b, the oldest block nobody reused."""
     region = Region(4)
-    entry = fsformat.HEADER_SIZE + PAYLOAD
+    entry = fs_format.HEADER_SIZE + PAYLOAD
     tier = make_tier(region, capacity=3 * entry, eviction_policy=policy)
     write(tier, region, b"a", 0, 0)
     for _ in range(3):
@@ -144,7 +143,7 @@ def wait_for_unlinks(tier) -> None:
 
 def test_a_write_at_capacity_takes_over_the_evicted_file(make_tier) -> None:
     region = Region(4, world_size=2)
-    tier = make_tier(region, world_size=2, capacity=2 * 2 * (fsformat.HEADER_SIZE + PAYLOAD))
+    tier = make_tier(region, world_size=2, capacity=2 * 2 * (fs_format.HEADER_SIZE + PAYLOAD))
     for i, k in enumerate([b"a", b"b"]):
         region.fill(1, i, 50 + i)
         write(tier, region, k, i, i)
@@ -167,7 +166,7 @@ def test_a_write_at_capacity_takes_over_the_evicted_file(make_tier) -> None:
 
 def test_an_evicted_file_with_another_link_is_not_overwritten(make_tier, tmp_path) -> None:
     region = Region(4)
-    tier = make_tier(region, capacity=fsformat.HEADER_SIZE + PAYLOAD)
+    tier = make_tier(region, capacity=fs_format.HEADER_SIZE + PAYLOAD)
     write(tier, region, b"a", 0, 1)
     [path] = tier.paths(key_digest(b"a"))
     outside = tmp_path / "linked"
@@ -177,12 +176,12 @@ def test_an_evicted_file_with_another_link_is_not_overwritten(make_tier, tmp_pat
     wait_for_unlinks(tier)
     assert tier.stats.files_reused == 0
     assert outside.read_bytes() == before, "a file linked elsewhere was overwritten"
-    assert read(tier, b"b", 2).ok and tier.faults() == dict.fromkeys(fstier.FAULT_KINDS, 0)
+    assert read(tier, b"b", 2).ok and tier.faults() == dict.fromkeys(fs_tier.FAULT_KINDS, 0)
 
 
 def test_restart_over_capacity_drops_the_oldest(make_tier) -> None:
     region = Region(4)
-    entry = fsformat.HEADER_SIZE + PAYLOAD
+    entry = fs_format.HEADER_SIZE + PAYLOAD
     first = make_tier(region)
     for i, k in enumerate([b"a", b"b", b"c"]):
         write(first, region, k, i, i)
@@ -210,9 +209,9 @@ def faulty(make_tier, damage, caplog) -> tuple:
 
 def flip_payload_byte(path: str) -> None:
     with open(path, "r+b") as f:
-        f.seek(fsformat.HEADER_SIZE + 100)
+        f.seek(fs_format.HEADER_SIZE + 100)
         b = f.read(1)
-        f.seek(fsformat.HEADER_SIZE + 100)
+        f.seek(fs_format.HEADER_SIZE + 100)
         f.write(bytes([b[0] ^ 0xFF]))
 
 
@@ -223,7 +222,7 @@ def flip_header_byte(path: str) -> None:
 
 
 def truncate(path: str) -> None:
-    os.truncate(path, fsformat.HEADER_SIZE + PAYLOAD // 2)
+    os.truncate(path, fs_format.HEADER_SIZE + PAYLOAD // 2)
 
 
 def replace_by_directory(path: str) -> None:
@@ -386,7 +385,7 @@ def test_a_file_written_by_another_engine_is_found_on_lookup(make_tier, tmp_path
     data = write(writer, region, b"new", 0, 4)
     region.ranks[0][:] = bytes(len(region.ranks[0]))
     # Found by the reader's background look for new files, not by its lookup.
-    deadline = time.monotonic() + 10 * fstier.DISCOVER_INTERVAL_S
+    deadline = time.monotonic() + 10 * fs_tier.DISCOVER_INTERVAL_S
     while not reader.contains(key_digest(b"new")) and time.monotonic() < deadline:
         time.sleep(0.05)
         reader.poll()
@@ -395,7 +394,7 @@ def test_a_file_written_by_another_engine_is_found_on_lookup(make_tier, tmp_path
 
 
 def test_names_come_only_from_hex_digests() -> None:
-    shard, name = fsformat.file_name(key_digest(b"../../etc/passwd"))
+    shard, name = fs_format.file_name(key_digest(b"../../etc/passwd"))
     assert set(shard + name[:-3]) <= set("0123456789abcdef") and name.endswith(".kv")
-    assert fsformat.parse_file_name("zz" * 16 + ".kv") is None
-    assert fsformat.parse_file_name(name) == key_digest(b"../../etc/passwd")
+    assert fs_format.parse_file_name("zz" * 16 + ".kv") is None
+    assert fs_format.parse_file_name(name) == key_digest(b"../../etc/passwd")

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Sequence
 
 from kvtier.tiering_spec.config import ConfigError
-from kvtier.tiering_spec.fsformat import FORMAT_DIR, NUM_SHARDS
+from kvtier.tiering_spec.tiers.fs_format import FORMAT_DIR, NUM_SHARDS
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 PRIVATE_MODE = 0o700

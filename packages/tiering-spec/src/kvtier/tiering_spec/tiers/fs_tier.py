@@ -44,11 +44,9 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvtier.tiering_spec import fsformat
 from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig
-from kvtier.tiering_spec.fsdirs import TierDirs
-from kvtier.tiering_spec.tiers import fs_io
+from kvtier.tiering_spec.tiers import fs_format, fs_io
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
     SecondaryTier,
@@ -57,6 +55,7 @@ from kvtier.tiering_spec.tiers.base import (
     TierStats,
     count_down,
 )
+from kvtier.tiering_spec.tiers.fs_dirs import TierDirs
 from kvtier.tiering_spec.tiers.fs_index import FsIndex
 from kvtier.tiering_spec.tiers.fs_scan import FsScanner, remove_tree
 
@@ -106,7 +105,7 @@ class FileSystemTier(SecondaryTier):
         enable_events: bool = False,
         ephemeral: bool = False,
     ) -> None:
-        if payload_bytes <= 0 or payload_bytes % fsformat.ALIGNMENT:
+        if payload_bytes <= 0 or payload_bytes % fs_format.ALIGNMENT:
             raise ValueError(
                 f"payload_bytes must be a positive multiple of 4096, got {payload_bytes}"
             )
@@ -114,7 +113,7 @@ class FileSystemTier(SecondaryTier):
         self.name = name
         self.ephemeral = ephemeral
         self.payload_bytes = payload_bytes
-        self.file_bytes = fsformat.HEADER_SIZE + payload_bytes
+        self.file_bytes = fs_format.HEADER_SIZE + payload_bytes
         self.world_size = len(layouts)
         self.entry_bytes = self.file_bytes * self.world_size
         self.capacity_bytes = cfg.capacity_bytes
@@ -123,7 +122,7 @@ class FileSystemTier(SecondaryTier):
             raise ConfigError(
                 f"capacity_bytes={self.capacity_bytes} of fs tier {name!r} cannot hold one "
                 f"entry: {self.entry_bytes} bytes ({self.world_size} rank file(s) of a "
-                f"{fsformat.HEADER_SIZE}-byte header plus a {payload_bytes}-byte chunk); "
+                f"{fs_format.HEADER_SIZE}-byte header plus a {payload_bytes}-byte chunk); "
                 f"allowed: at least {self.entry_bytes}"
             )
         self._region_views = region_views
@@ -136,7 +135,7 @@ class FileSystemTier(SecondaryTier):
             if cfg.auth_key_file is None
             else load_auth_key(cfg.auth_key_file, f"fs tier {name!r} auth_key_file")
         )
-        self.fingerprints = [fsformat.layout_fingerprint(layout) for layout in layouts]
+        self.fingerprints = [fs_format.layout_fingerprint(layout) for layout in layouts]
         # Every folder is checked and held open from here on; files are reached only
         # relative to these descriptors.
         self.fsdirs = TierDirs(cfg.root_dir, [fp.hex() for fp in self.fingerprints], "fs tier")
@@ -235,7 +234,7 @@ class FileSystemTier(SecondaryTier):
 
     @staticmethod
     def _write_small_file(dir_fd: int, name: str, text: str) -> None:
-        tmp = f"{name}{fsformat.TMP_PREFIX}{os.getpid()}"
+        tmp = f"{name}{fs_format.TMP_PREFIX}{os.getpid()}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
         fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
         try:
@@ -322,12 +321,12 @@ class FileSystemTier(SecondaryTier):
     def paths(self, digest: bytes) -> list[str]:
         """One file path per rank for a key digest (for logs and tools: the tier itself
         reaches files through its held folders, see :meth:`_where`)."""
-        shard, name = fsformat.file_name(digest)
+        shard, name = fs_format.file_name(digest)
         return [os.path.join(d, shard, name) for d in self.dirs]
 
     def _where(self, digest: bytes) -> tuple[int, str]:
         """(shard, file name) of a key digest."""
-        shard, name = fsformat.file_name(digest)
+        shard, name = fs_format.file_name(digest)
         return int(shard, 16), name
 
     def _views_now(self) -> Sequence[memoryview] | None:
@@ -478,7 +477,7 @@ class FileSystemTier(SecondaryTier):
             if res.op == "unlink":
                 self._unlinked(res.key)
                 continue
-            digest = fsformat.key_digest(res.key)
+            digest = fs_format.key_digest(res.key)
             if res.op == "write":
                 self._writing.discard(digest)
                 reused = self._reusing.pop(digest, None)
@@ -580,7 +579,7 @@ class FileSystemTier(SecondaryTier):
                 self.name,
                 "read" if res.op == "read" else "write",
                 "" if res.op == "read" else "(dropped)",
-                fsformat.key_digest(res.key).hex(),
+                fs_format.key_digest(res.key).hex(),
                 kind,
                 kind,
             )
@@ -641,7 +640,7 @@ class FileSystemTier(SecondaryTier):
         with self._tmp_lock:
             self._tmp_counter += 1
             n = self._tmp_counter
-        return f"{fsformat.TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{n}"
+        return f"{fs_format.TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{n}"
 
     def _write_task(
         self,
@@ -732,7 +731,7 @@ class FileSystemTier(SecondaryTier):
         ``fd``), then rename it to ``name``; both in the rank's held shard folder."""
         if fd is None:
             fd = self._create(rank, shard, tmp, self.direct)
-        hdr = self._thread_buffer("hdr", fsformat.HEADER_SIZE)
+        hdr = self._thread_buffer("hdr", fs_format.HEADER_SIZE)
         folder = self.fsdirs.shard(rank, shard)
         fs_io.write_and_rename(
             folder, tmp, name, fd, hdr, fingerprint, digest, payload, self._key, self.direct
@@ -780,7 +779,7 @@ class FileSystemTier(SecondaryTier):
                     digest,
                     self._payload(views, rank, block_id),
                 )
-        except fsformat.FormatError as exc:
+        except fs_format.FormatError as exc:
             fault = exc.kind
         except FileNotFoundError:
             fault = TierFault.VANISHED
@@ -814,8 +813,8 @@ class FileSystemTier(SecondaryTier):
         fs_io.read_block(
             self.fsdirs.shard(rank, shard),
             name,
-            self._thread_buffer("hdr", fsformat.HEADER_SIZE),
-            self._thread_buffer("tail", fsformat.ALIGNMENT),
+            self._thread_buffer("hdr", fs_format.HEADER_SIZE),
+            self._thread_buffer("tail", fs_format.ALIGNMENT),
             fingerprint,
             digest,
             payload,

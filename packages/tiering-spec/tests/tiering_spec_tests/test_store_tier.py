@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvtier.tiering_spec import fsformat
-from kvtier.tiering_spec.fsformat import key_digest
-from kvtier.tiering_spec.storetier import StoreTier, StoreTierSettings
+from kvtier.tiering_spec.tiers import fs_format
+from kvtier.tiering_spec.tiers.fs_format import key_digest
+from kvtier.tiering_spec.tiers.store_tier import StoreTier, StoreTierSettings
 
 from .mooncake_env import Master, _mooncake
 
@@ -124,8 +124,8 @@ def test_a_corrupt_object_is_a_counted_miss_and_removed(make_tier, master) -> No
     # Another writer replaces the object with bytes whose checksum does not match.
     raw = master.client()
     [name] = tier.object_keys(digest)
-    bad = bytearray(fsformat.HEADER_SIZE + PAYLOAD)
-    bad[: fsformat.HEADER_USED] = fsformat.encode_header(tier.fingerprints[0], digest, PAYLOAD, 1)
+    bad = bytearray(fs_format.HEADER_SIZE + PAYLOAD)
+    bad[: fs_format.HEADER_USED] = fs_format.encode_header(tier.fingerprints[0], digest, PAYLOAD, 1)
     assert raw.remove(name, True) == 0 and raw.put(name, bytes(bad)) == 0
     assert tier.submit_read(b"k", digest, 1)
     [res] = settle(tier)
