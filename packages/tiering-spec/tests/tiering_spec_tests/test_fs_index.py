@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvtier.tiering_spec.tiers.fs_index import FsIndex
+from kvtier.tiering_spec.tiers.fs_index import FsCapacity, FsIndex
 
 ENTRY = 10
 DIGEST = st.integers(0, 11).map(lambda i: b"d%02d" % i)
@@ -106,3 +106,63 @@ def test_no_capacity_needs_no_room() -> None:
     index.add(b"a", None)
     assert index.make_room(100 * ENTRY, None, lambda d: False) == []
     assert index.make_room(ENTRY + 1, ENTRY, lambda d: False) is None, "larger than the tier"
+
+
+class CapacityMachine(RuleBasedStateMachine):
+    """A full disk lowers the bound, room on the disk raises it back: never below the
+    floor, never above the target, and back at the target once the disk has room."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writers = 3
+        self.cap = FsCapacity(20 * ENTRY, ENTRY, self.writers)
+
+    @rule(used=st.integers(0, 30 * ENTRY), free=st.integers(0, 30 * ENTRY))
+    def disk_full(self, used: int, free: int) -> None:
+        before = self.cap.current
+        assert before is not None
+        went_down = self.cap.lower_for_full_disk(used, free)
+        assert went_down == (self.cap.current != before)
+        if went_down:
+            assert self.cap.current == max(self.cap.floor, used + free) < before
+        else:
+            assert before <= max(self.cap.floor, used + free)
+
+    @rule(
+        used=st.integers(0, 30 * ENTRY),
+        reserved=st.integers(0, 5 * ENTRY),
+        free=st.integers(0, 30 * ENTRY),
+    )
+    def room_again(self, used: int, reserved: int, free: int) -> None:
+        before = self.cap.current
+        assert before is not None
+        went_up = self.cap.regrow(used, reserved, free)
+        assert went_up == (self.cap.current != before)
+        if went_up:
+            assert self.cap.current == min(20 * ENTRY, used + reserved + free) > before
+        if used + reserved + free >= 20 * ENTRY:
+            assert not self.cap.lowered, "room for the target, and not back at it"
+
+    @invariant()
+    def bound_between_floor_and_target(self) -> None:
+        assert self.cap.floor == self.writers * ENTRY
+        assert self.cap.current is not None
+        assert self.cap.floor <= self.cap.current <= 20 * ENTRY
+        assert self.cap.lowered == (self.cap.current != 20 * ENTRY)
+
+
+def test_capacity_moves_between_floor_and_target() -> None:
+    run_state_machine_as_test(CapacityMachine, settings=settings(max_examples=200))
+
+
+def test_capacity_edges() -> None:
+    unbounded = FsCapacity(None, ENTRY, 4)
+    assert unbounded.lower_for_full_disk(used=3 * ENTRY, free=0), "a full disk bounds it"
+    assert unbounded.current == 3 * ENTRY  # its files plus what is free
+    assert not unbounded.regrow(100 * ENTRY, 0, 100 * ENTRY), "no target to grow back to"
+    small = FsCapacity(2 * ENTRY, ENTRY, 8)
+    assert small.floor == 2 * ENTRY, "the floor never exceeds the target"
+    small.lower_for_full_disk(used=0, free=0)
+    assert small.current == 2 * ENTRY and not small.lowered
+    small.reset(5 * ENTRY)
+    assert small.current == small.target == 5 * ENTRY

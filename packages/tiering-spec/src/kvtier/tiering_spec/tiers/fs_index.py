@@ -1,6 +1,7 @@
 """The fs tier's index: which files the tier holds, the bytes they and the writes in
-flight take, and which files go first when room is needed. No I/O and no threads: the
-tier calls it from the scheduler thread, and property tests drive it alone."""
+flight take, which files go first when room is needed, and how a full disk moves the
+capacity. No I/O and no threads: the tier calls it from the scheduler thread, and
+property tests drive it alone."""
 
 from __future__ import annotations
 
@@ -102,3 +103,64 @@ class FsIndex:
             self.used -= entry.nbytes
             evicted.append((digest, entry))
         return evicted
+
+
+class FsCapacity:
+    """The bytes the tier may hold, and how a full disk moves that bound.
+
+    ``target`` is what the configuration (or the default, from the free space at
+    start) asks for; ``current`` the bound in force. A write that finds the disk full
+    lowers ``current`` to the tier's own files plus what the disk shows free, never below
+    ``floor`` (one entry per write thread, so that every writer keeps a block in flight,
+    and never above ``target``); it grows back toward ``target`` as the disk shows room
+    again. ``None`` means no bound.
+
+    Args:
+        target: the capacity asked for, in bytes, or None.
+        entry_bytes: bytes of one entry.
+        writers: write threads.
+    """
+
+    def __init__(self, target: int | None, entry_bytes: int, writers: int) -> None:
+        self.entry_bytes = entry_bytes
+        self.writers = max(1, writers)
+        self.target = target
+        self.current = target
+
+    def reset(self, target: int | None) -> None:
+        """A new target (the default recomputed after the start-up scan), in force now."""
+        self.target = self.current = target
+
+    @property
+    def lowered(self) -> bool:
+        """Whether a full disk holds the bound below its target."""
+        return self.current != self.target
+
+    @property
+    def floor(self) -> int:
+        """The least a full disk lowers the bound to."""
+        target = self.target or self.entry_bytes
+        return min(target, max(self.entry_bytes, self.writers * self.entry_bytes))
+
+    def lower_for_full_disk(self, used: int, free: int) -> bool:
+        """The disk filled up before the bound did, with ``used`` bytes of this tier's
+        files and ``free`` bytes free: hold no more than both together (at least
+        ``floor``). Whether the bound went down."""
+        lowered = max(self.floor, used + free)
+        if self.current is None or self.current > lowered:
+            self.current = lowered
+            return True
+        return False
+
+    def regrow(self, used: int, reserved: int, free: int) -> bool:
+        """After a full disk, with ``free`` bytes free again: raise the bound toward the
+        target as far as the tier's files, its writes in flight and that room allow.
+        Whether the bound went up."""
+        cap, target = self.current, self.target
+        if cap is None or target is None or cap >= target:
+            return False
+        grown = min(target, used + reserved + free)
+        if grown > cap:
+            self.current = grown
+            return True
+        return False

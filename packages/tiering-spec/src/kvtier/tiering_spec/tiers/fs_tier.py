@@ -56,7 +56,7 @@ from kvtier.tiering_spec.tiers.base import (
     count_down,
 )
 from kvtier.tiering_spec.tiers.fs_dirs import TierDirs
-from kvtier.tiering_spec.tiers.fs_index import FsIndex
+from kvtier.tiering_spec.tiers.fs_index import FsCapacity, FsIndex
 from kvtier.tiering_spec.tiers.fs_scan import FsScanner, remove_tree
 
 logger = logging.getLogger("kvtier.tiering_spec")
@@ -116,7 +116,7 @@ class FileSystemTier(SecondaryTier):
         self.file_bytes = fs_format.HEADER_SIZE + payload_bytes
         self.world_size = len(layouts)
         self.entry_bytes = self.file_bytes * self.world_size
-        self.capacity_bytes = cfg.capacity_bytes
+        self._capacity = FsCapacity(cfg.capacity_bytes, self.entry_bytes, cfg.n_write_threads)
         self.capacity_is_default = cfg.capacity_bytes is None
         if self.capacity_bytes is not None and self.capacity_bytes < self.entry_bytes:
             raise ConfigError(
@@ -150,9 +150,7 @@ class FileSystemTier(SecondaryTier):
         self.direct = fs_io.probe_o_direct(self.dirs[0], dir_fd=self.fsdirs.fingerprint(0))
         self._free_at_start = fs_io.free_bytes(self.fsdirs.root)
         if self.capacity_is_default:
-            self.capacity_bytes = self._default_capacity(0)
-        # What capacity_bytes returns to after a full disk lowered it.
-        self.target_capacity = self.capacity_bytes
+            self._capacity.reset(self._default_capacity(0))
         # Free bytes seen by the last write that found the disk full, and by the
         # background thread while the capacity is lowered (None: not looked).
         self._free_seen: int | None = None
@@ -254,7 +252,7 @@ class FileSystemTier(SecondaryTier):
         while not self._stop.wait(DISCOVER_INTERVAL_S):
             try:
                 self._disk.discover()
-                if self.capacity_bytes != self.target_capacity:
+                if self._capacity.lowered:
                     self._free_seen = fs_io.free_bytes(self.fsdirs.root)
             except Exception:  # never fatal: the next round tries again
                 continue
@@ -293,8 +291,7 @@ class FileSystemTier(SecondaryTier):
         self._index_found(report.entries)
         self.stats.files_indexed_at_start = len(report.entries)
         if self.capacity_is_default:
-            self.capacity_bytes = self._default_capacity(len(report.entries) * self.entry_bytes)
-            self.target_capacity = self.capacity_bytes
+            self._capacity.reset(self._default_capacity(len(report.entries) * self.entry_bytes))
         self._make_room(0)
         logger.info(
             "kvtier fs tier %r: start-up scan found %d files, indexed %d entries (%d bytes) "
@@ -467,7 +464,7 @@ class FileSystemTier(SecondaryTier):
             self._take_scan()
         if self._disk.waiting:
             self._take_discovered()
-        if self._free_seen is not None and self.capacity_bytes != self.target_capacity:
+        if self._free_seen is not None and self._capacity.lowered:
             self._regrow()
         out: list[TierResult] = []
         results = self._results
@@ -508,16 +505,9 @@ class FileSystemTier(SecondaryTier):
         self.stats.entries = len(self._index)
         return out
 
-    def _floor(self) -> int:
-        """The least a full disk lowers the capacity to: one entry per write thread, so
-        that every writer can still have a block in flight (below that, each write would
-        evict the entry another writer just made), and never above the target."""
-        target = self.target_capacity or self.entry_bytes
-        return min(target, max(self.entry_bytes, self.cfg.n_write_threads * self.entry_bytes))
-
     def _retry_on_full_disk(self, res: TierResult, digest: bytes) -> bool:
         """The disk filled up before the tier's capacity did: hold no more than this
-        tier's files plus what the disk shows free (never less than :meth:`_floor`;
+        tier's files plus what the disk shows free (never less than ``FsCapacity.floor``;
         logged), evict least recently used entries down to that, and write once more.
         The capacity grows back as the disk shows room again (:meth:`_regrow`). False
         (not retried) for a second failure of the same write, or when no room can be
@@ -526,8 +516,8 @@ class FileSystemTier(SecondaryTier):
             self._retried.discard(digest)
             return False
         free = self._free_seen or 0
-        lowered = max(self._floor(), self._index.used + free)
-        if self.capacity_bytes is None or self.capacity_bytes > lowered:
+        before = self.capacity_bytes
+        if self._capacity.lower_for_full_disk(self._index.used, free):
             logger.warning(
                 "kvtier fs tier %r: the disk is full (%d bytes free) with %d bytes of this "
                 "tier's files; capacity lowered from %s to %d bytes until the disk shows "
@@ -535,10 +525,9 @@ class FileSystemTier(SecondaryTier):
                 self.name,
                 free,
                 self._index.used,
+                before,
                 self.capacity_bytes,
-                lowered,
             )
-            self.capacity_bytes = lowered
         if not self._make_room(self.entry_bytes)[0]:
             return False
         self._fault(TierFault.DISK_FULL, res)
@@ -552,21 +541,27 @@ class FileSystemTier(SecondaryTier):
         """After a full disk: raise the capacity toward its target as far as the room the
         background thread last saw allows (scheduler thread)."""
         free, self._free_seen = self._free_seen or 0, None
-        cap, target = self.capacity_bytes, self.target_capacity
-        if cap is None or target is None or cap >= target:
-            return
-        grown = min(target, self._index.used + self._index.reserved + free)
-        if grown > cap:
-            self.capacity_bytes = grown
+        before = self.capacity_bytes
+        if self._capacity.regrow(self._index.used, self._index.reserved, free):
             logger.info(
                 "kvtier fs tier %r: the disk shows %d bytes free again; capacity raised from "
-                "%d to %d bytes (target %d)",
+                "%s to %s bytes (target %s)",
                 self.name,
                 free,
-                cap,
-                grown,
-                target,
+                before,
+                self.capacity_bytes,
+                self.target_capacity,
             )
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The bytes of files the tier may hold now (None: no bound)."""
+        return self._capacity.current
+
+    @property
+    def target_capacity(self) -> int | None:
+        """What ``capacity_bytes`` returns to after a full disk lowered it."""
+        return self._capacity.target
 
     def _fault(self, kind: TierFault, res: TierResult) -> None:
         self._faults[kind] = self._faults.get(kind, 0) + 1
