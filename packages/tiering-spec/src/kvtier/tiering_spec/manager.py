@@ -118,6 +118,10 @@ class TierManager:
         self._fresh: OrderedDict[bytes, int] = OrderedDict()
         self._step = 0
         self.max_promoting = max(1, pool.num_blocks // 2)
+        # The tiers' name of each key in use, computed once (a lookup, a write-through,
+        # touches and the request's end all need it); forgotten all at once when full.
+        self._digests: dict[bytes, bytes] = {}
+        self._max_digests = max(1024, 2 * pool.num_blocks)
 
     # ------------------------------------------------------------------ lookups
 
@@ -144,7 +148,7 @@ class TierManager:
             return Lookup.HIT_PENDING
         if not self.secondary_tiers or not secondary:
             return Lookup.MISS
-        digest = key_digest(key)
+        digest = self._digest(key)
         unknown = False
         for idx, tier in enumerate(self.secondary_tiers):
             found = tier.contains(digest)
@@ -180,6 +184,14 @@ class TierManager:
             return Lookup.HIT_PENDING
         return Lookup.HIT_PENDING if unknown else Lookup.MISS
 
+    def _digest(self, key: bytes) -> bytes:
+        digest = self._digests.get(key)
+        if digest is None:
+            if len(self._digests) >= self._max_digests:
+                self._digests.clear()
+            digest = self._digests[key] = key_digest(key)
+        return digest
+
     def load_source(self, key: bytes) -> str:
         """``"host"``, or the fs tier's name when the key was promoted from it."""
         return self._load_sources.get(key, "host")
@@ -200,7 +212,7 @@ class TierManager:
     def touch(self, keys: Sequence[bytes]) -> None:
         self.pool.touch(keys)
         if self.secondary_tiers:
-            digests = [key_digest(k) for k in keys]
+            digests = [self._digest(k) for k in keys]
             for tier in self.secondary_tiers:
                 tier.touch(digests)
 
@@ -218,7 +230,7 @@ class TierManager:
         for tier in self.secondary_tiers:
             used = [k for k in keys if k not in reused or sources.get(k) == tier.name]
             if used:
-                digests = [key_digest(k) for k in used]
+                digests = [self._digest(k) for k in used]
                 tier.finish_request(digests, {d for k, d in zip(used, digests) if k in reused})
 
     # ------------------------------------------------------------------ device stores
@@ -268,7 +280,7 @@ class TierManager:
             for key in keys:
                 if not pool.contains(key):
                     continue
-                digest = key_digest(key)
+                digest = self._digest(key)
                 if tier.has(digest):
                     continue
                 if pool.held(Hold.TIER_WRITE) >= self.max_write_backlog:

@@ -51,6 +51,7 @@ class TierResult:
     fault: TierFault | None = None
     nbytes: int = 0
     seconds: float = 0.0
+    digest: bytes | None = None  # the key's digest, where the job had it
 
 
 @dataclass

@@ -474,7 +474,7 @@ class FileSystemTier(SecondaryTier):
             if res.op == "unlink":
                 self._unlinked(res.key)
                 continue
-            digest = fs_format.key_digest(res.key)
+            digest = res.digest or fs_format.key_digest(res.key)
             if res.op == "write":
                 self._writing.discard(digest)
                 reused = self._reusing.pop(digest, None)
@@ -691,6 +691,7 @@ class FileSystemTier(SecondaryTier):
                 fault,
                 self.entry_bytes if fault is None else 0,
                 time.perf_counter() - t0,
+                digest,
             )
         )
 
@@ -792,6 +793,7 @@ class FileSystemTier(SecondaryTier):
                 fault,
                 self.entry_bytes if fault is None else 0,
                 time.perf_counter() - t0,
+                digest,
             )
         )
 

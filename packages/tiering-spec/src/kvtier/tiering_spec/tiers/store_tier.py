@@ -471,7 +471,7 @@ class StoreTier(SecondaryTier):
                 out.append(res)
                 continue
             self._inflight -= 1
-            digest = fs_format.key_digest(res.key)
+            digest = res.digest or fs_format.key_digest(res.key)
             if res.op == "write":
                 self._writing.discard(digest)
                 if res.ok:
@@ -801,6 +801,7 @@ class StoreTier(SecondaryTier):
                     fault,
                     self.entry_bytes if fault is None else 0,
                     seconds,
+                    digest,
                 )
             )
         with self._lock:
