@@ -179,7 +179,9 @@ def test_the_guides_examples_start_and_serve(model: Path, tmp_path: Path, spec_n
         outputs = llm.generate(["Hello, my name is"], sampling_params)
         assert len(outputs[0].outputs[0].token_ids) == 100
         manager = kv_connector_of(llm).connector_scheduler.manager
-        assert type(manager).__module__ == "kvtier.tiering_spec.vllm_adapter"
+        from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
+
+        assert isinstance(manager, KvtierOffloadingManager), type(manager)
     finally:
         testkit.free_llm(llm)
 

@@ -30,7 +30,8 @@ import logging
 from typing import Any
 
 from kvtier.tiering_spec import vllm_compat as compat
-from kvtier.tiering_spec.vllm_adapter import KvtierOffloadingManager, _KvtierSpec
+from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
+from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
 
 logger = logging.getLogger("kvtier.tiering_spec")
 

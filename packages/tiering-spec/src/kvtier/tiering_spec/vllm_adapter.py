@@ -1,10 +1,13 @@
-"""The one module that maps vLLM's offloading interfaces onto kvtier's objects.
+"""kvtier's offloading specs for vLLM.
 
 ``CPUOffloadingSpec`` and ``TieringOffloadingSpec`` implement vLLM 0.32's
-``OffloadingSpec``: the manager is :class:`~kvtier.tiering_spec.manager.TierManager`
-(kvtier-blockpool plus fs tiers), the worker is
-:class:`~kvtier.tiering_spec.worker.OffloadTransferWorker` (kvtier-npu-copy).
-Everything with logic lives in those modules and is tested without an engine.
+``OffloadingSpec``: they size the chunks, name and map the host regions, identify the
+engine (the model fingerprint) and build the secondary tiers. Their manager is
+:class:`~kvtier.tiering_spec.vllm_manager.KvtierOffloadingManager` over
+:class:`~kvtier.tiering_spec.manager.TierManager` (kvtier-blockpool plus the tiers),
+their worker :class:`~kvtier.tiering_spec.vllm_worker.KvtierOffloadingWorker` over
+:class:`~kvtier.tiering_spec.worker.OffloadTransferWorker` (kvtier-npu-copy). Everything
+with logic lives in those modules and is tested without an engine.
 """
 
 from __future__ import annotations
@@ -16,23 +19,15 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import Collection, Iterable, Iterator, Mapping
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import xxhash
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingEvent,
     OffloadingManager,
-    OffloadKey,
-    PrepareStoreOutput,
-    ReqContext,
-    RequestOffloadingContext,
 )
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvtier.blockpool import HostBlockPool, HostRegion, resolve_budget, round_up
 from kvtier.tiering_spec import metrics as m
@@ -44,12 +39,13 @@ from kvtier.tiering_spec.config import (
     parse_config,
 )
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
-from kvtier.tiering_spec.manager import Lookup, TierManager
 from kvtier.tiering_spec.tiers.base import SecondaryTier
 from kvtier.tiering_spec.tiers.fs_dirs import make_private_dirs
 from kvtier.tiering_spec.tiers.fs_format import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.tiers.registry import TierSite, build_tier
+from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
 from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
+from kvtier.tiering_spec.vllm_worker import KvtierOffloadingWorker
 from kvtier.tiering_spec.worker import OffloadTransferWorker
 
 logger = logging.getLogger("kvtier.tiering_spec")
@@ -173,6 +169,11 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
     """
 
     TIERING = False
+
+    def build_secondary_tiers(self) -> tuple[list[SecondaryTier], AttachedRegions | None]:
+        """The secondary tiers and the regions they use: none for the CPU spec."""
+        return [], None
+
     # Set by kvtier's connector, which reports failed transfers to vLLM's scheduler
     # as blocks to recompute instead of failing vLLM's assertion.
     failures_reported = False
@@ -490,10 +491,11 @@ class TieringOffloadingSpec(_KvtierSpec):
             return None
         return regions
 
-    def build_secondary_tiers(self, on_regions: list[HostRegion]) -> list[SecondaryTier]:
-        """The secondary tiers, in order: fs tiers and store tiers."""
+    def build_secondary_tiers(self) -> tuple[list[SecondaryTier], AttachedRegions | None]:
+        """The secondary tiers, in order (fs tiers and store tiers), and the host regions
+        they read and write, attached on first use."""
         if not self.settings.secondary_tiers:
-            return []
+            return [], None
         # The digests of the weight files are cached beside the first fs tier's files.
         fs_roots = [
             t.root_dir for t in self.settings.secondary_tiers if isinstance(t, FsTierConfig)
@@ -508,22 +510,8 @@ class TieringOffloadingSpec(_KvtierSpec):
         make_private_dirs(digest_dir, "fs tier directory")
         identity, persistent = self.engine_identity(os.path.join(digest_dir, "weight-digests.json"))
         layouts = self._layouts(identity)
-        payload = self.chunk_bytes
-        state: dict[str, list[memoryview] | None] = {"views": None}
-        # A store tier's connect thread asks too: the regions are attached once.
-        attaching = threading.Lock()
-
-        def views() -> list[memoryview] | None:
-            with attaching:
-                if state["views"] is None:
-                    regions = self.attach_regions()
-                    if regions is None:
-                        return None
-                    on_regions.extend(regions)
-                    state["views"] = [r.tensor.numpy().data.cast("B") for r in regions]
-                return state["views"]
-
-        site = TierSite(layouts, payload, views, persistent)
+        regions = AttachedRegions(self.attach_regions)
+        site = TierSite(layouts, self.chunk_bytes, regions.views, persistent)
         tiers: list[SecondaryTier] = []
         seen: dict[str, int] = {}
         try:
@@ -536,369 +524,41 @@ class TieringOffloadingSpec(_KvtierSpec):
             for t in tiers:
                 t.shutdown()
             raise
-        return tiers
+        return tiers, regions
 
 
-class _RequestReuse:
-    """The keys one request stored or reused (loaded, or offered for storing again
-    while cached), in the order first seen, and which of them it reused: vLLM 0.32 and
-    later never call ``touch`` and leave recency to the manager when the request
-    finishes; older releases touch keys themselves, after each store."""
+class AttachedRegions:
+    """The host regions of every copy, as the secondary tiers read and write them:
+    attached on first use (by the scheduler, or a store tier's connect thread), once,
+    and closed at shutdown.
 
-    __slots__ = ("finished", "keys", "reused", "stored")
-
-    def __init__(self) -> None:
-        self.keys: dict[OffloadKey, None] = {}
-        self.reused: set[OffloadKey] = set()
-        self.stored: set[OffloadKey] = set()
-        self.finished = False
-
-    def note(self, keys: Iterable[OffloadKey], *, reused: bool) -> None:
-        """Record ``keys`` as reused by the request, or as stored by it. Reading back
-        a key the request stored (a cascade between tiers) is not a reuse."""
-        seen, stored = self.keys, self.stored
-        for key in keys:
-            seen.setdefault(key, None)
-            if not reused:
-                stored.add(key)
-            elif key not in stored:
-                self.reused.add(key)
-
-
-class _RequestTiers:
-    """Which tiers one request may use: the host tier always, the secondary (persistent)
-    tiers unless the request runs with a LoRA adapter or kvtier cannot tell."""
-
-    __slots__ = ("secondary",)
-
-    def __init__(self, secondary: bool) -> None:
-        self.secondary = secondary
-
-
-# Where vLLM's ReqContext has no per-request state (before 0.32), the mark is an attribute.
-_TIERS_ATTR = "_kvtier_tiers"
-
-
-def _mark_request(req_context: ReqContext, tiers: _RequestTiers) -> None:
-    set_state = getattr(req_context, "set_state", None)
-    if set_state is not None:
-        set_state(tiers)
-        return
-    try:
-        setattr(req_context, _TIERS_ATTR, tiers)
-    except AttributeError:  # unmarked: treated as a request kvtier cannot tell
-        pass
-
-
-def _request_mark(req_context: ReqContext) -> _RequestTiers | None:
-    get_state = getattr(req_context, "get_state", None)
-    if get_state is not None:
-        return cast("_RequestTiers | None", get_state(_RequestTiers))
-    return cast("_RequestTiers | None", getattr(req_context, _TIERS_ATTR, None))
-
-
-class KvtierOffloadingManager(OffloadingManager):
-    """vLLM's ``OffloadingManager`` over :class:`TierManager`.
-
-    A request with a LoRA adapter uses the host tier only: vLLM's block hashes name the
-    adapter (0.23: its name; 0.32: its name and path), never its weights, so a file or
-    object in a persistent tier could outlive the adapter it was computed with. kvtier's
-    connector tells the manager which requests carry one (:meth:`note_new_request`);
-    a request it did not announce uses the secondary tiers only where vLLM's config
-    shows LoRA off.
+    Args:
+        attach: maps the regions, or returns None while a worker has not created its own.
     """
 
-    def __init__(self, spec: _KvtierSpec) -> None:
-        self.spec = spec
+    def __init__(self, attach: Callable[[], list[HostRegion] | None]) -> None:
+        self._attach = attach
+        self._lock = threading.Lock()
         self._regions: list[HostRegion] = []
-        # (request id, whether it has a LoRA adapter) of the request being added now.
-        self._arriving: tuple[str, bool] | None = None
-        self._logged: set[str] = set()
-        tiers = (
-            spec.build_secondary_tiers(self._regions)
-            if isinstance(spec, TieringOffloadingSpec)
-            else []
-        )
-        s = spec.settings
-        self.core = TierManager(
-            spec.new_pool(),
-            tiers,
-            store_threshold=s.store_threshold,
-            max_tracker_size=s.max_tracker_size,
-        )
-        self._metrics = m.MetricsEmitter(self.core, tiering=spec.TIERING)
+        self._views: list[memoryview] | None = None
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        if self.spec.no_loads_reason is not None:
-            return compat.lookup_result(Lookup.MISS)
-        return compat.lookup_result(
-            self.core.lookup(key, req_context.req_id, secondary=self._secondary(req_context))
-        )
+    def views(self) -> list[memoryview] | None:
+        """One writable byte view per copy, or None while they cannot be mapped yet."""
+        with self._lock:
+            if self._views is None:
+                regions = self._attach()
+                if regions is None:
+                    return None
+                self._regions = regions
+                self._views = [r.tensor.numpy().data.cast("B") for r in regions]
+            return self._views
 
-    def note_new_request(self, req_id: str, has_lora: bool) -> None:
-        """Called by kvtier's connector just before vLLM adds the request ``req_id``
-        (``on_new_request``): whether it runs with a LoRA adapter."""
-        self._arriving = (req_id, has_lora)
-
-    def _secondary(self, req_context: ReqContext) -> bool:
-        """Whether the request may read and write the secondary (persistent) tiers."""
-        if not self.core.secondary_tiers:
-            return True
-        mark = _request_mark(req_context)
-        if mark is not None:
-            return mark.secondary
-        if self.spec.lora_enabled is False:
-            return True  # vLLM refuses LoRA requests when LoRA is off
-        self._log_once(
-            "unknown",
-            "kvtier: a request reached the manager without kvtier's connector in front, and "
-            "LoRA may be on (vLLM's config %s), so kvtier cannot tell whether its blocks "
-            "were computed with an adapter: such requests use the host tier only, never "
-            "the fs or mooncake tiers",
-            "enables it" if self.spec.lora_enabled else "was not found",
-        )
-        return False
-
-    def _log_once(self, what: str, msg: str, *args: Any) -> None:
-        if what not in self._logged:
-            self._logged.add(what)
-            logger.warning(msg, *args)
-
-    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        return compat.cache_hit_source(self.core.load_source(key))
-
-    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        blocks = self.core.prepare_load(list(keys))
-        state = self._request_reuse(req_context)
-        if state is not None:
-            state.note(keys, reused=True)
-        return CPULoadStoreSpec(blocks)
-
-    @staticmethod
-    def _request_reuse(req_context: ReqContext) -> _RequestReuse | None:
-        """The request's record for :meth:`on_request_finished`; None before vLLM 0.32
-        (no request state: the connector calls touch itself) or once it finished."""
-        get_state = getattr(req_context, "get_state", None)
-        if get_state is None:
-            return None
-        state = get_state(_RequestReuse)
-        if state is None:
-            state = _RequestReuse()
-            req_context.set_state(state)
-        return None if state.finished else state
-
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        """Order every key the request stored or reused so that its prefix's tail goes
-        first and its head last (as vLLM 0.32 does); only reused keys count as a use."""
-        get_state = getattr(req_context, "get_state", None)
-        state = get_state(_RequestReuse) if get_state is not None else None
-        if state is None or state.finished:
-            return
-        state.finished = True
-        keys = list(state.keys)
-        position = getattr(req_context, "get_offload_key_position", None)
-        if position is not None:
-            ends = [position(key) for key in keys]
-            if None not in ends:  # the scheduler knows each key's place in the prompt
-                keys = [k for _, k in sorted(zip(ends, keys), key=lambda e: e[0])]
-        if keys:
-            self.core.finish_request(keys, state.reused)
-
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.core.touch(list(keys))
-
-    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.core.complete_load(list(keys))
-
-    def prepare_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> PrepareStoreOutput | None:
-        keys = list(keys)
-        state = self._request_reuse(req_context)
-        if state is not None:
-            pool = self.core.pool  # cached keys offered again are a use
-            state.note((k for k in keys if pool.contains(k)), reused=True)
-        plan = self.core.prepare_store(keys)
-        if plan is None:
-            return None
-        to_store, blocks, evicted = plan
-        if state is not None:
-            state.note(to_store, reused=False)
-        return PrepareStoreOutput(
-            keys_to_store=cast(Any, to_store),
-            store_spec=CPULoadStoreSpec(blocks),
-            evicted_keys=cast(Any, evicted),
-        )
-
-    def complete_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> None:
-        self.core.complete_store(list(keys), success, secondary=self._secondary(req_context))
-
-    def fail_store(self, keys: Collection[OffloadKey]) -> None:
-        """A store a worker could not copy: its keys are dropped now, never loaded
-        (vLLM's own completion of the job then finds nothing stored)."""
-        self.core.complete_store(list(keys), False)
-
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        arriving, self._arriving = self._arriving, None
-        if arriving is not None and arriving[0] == req_context.req_id:
-            has_lora = arriving[1]
-            _mark_request(req_context, _RequestTiers(secondary=not has_lora))
-            if has_lora and self.core.secondary_tiers:
-                self._log_once(
-                    "lora",
-                    "kvtier: requests with a LoRA adapter use the host tier only, never the "
-                    "fs or mooncake tiers: vLLM's block hashes name an adapter, not its "
-                    "weights, so KV kept across restarts could outlive a retrained adapter",
-                )
-        return RequestOffloadingContext()
-
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        for event in self.core.pool.take_events():
-            yield compat.offloading_event(list(event.keys), event.kind == "removed")
-        for tier in self.core.secondary_tiers:
-            for removed, keys in tier.take_events():
-                yield compat.offloading_event(
-                    list(keys), removed, tier=tier.name, locality=tier.locality
-                )
-
-    def on_schedule_end(self, context: Any = None) -> None:
-        self.core.end_step()
-
-    def has_pending_work(self) -> bool:
-        return self.core.has_pending_work()
-
-    def reset_cache(self) -> None:
-        self.core.reset(self.spec.new_pool())
-
-    def collect_metrics(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
-        """(kind, name, value, label values) of kvtier's metrics since the last call."""
-        return self._metrics.collect()
-
-    def get_stats(self) -> Any:
-        return compat.manager_stats(self.collect_metrics())
-
-    def shutdown(self) -> None:
-        if not self.core.shutdown():
-            # An I/O thread stuck in a read may still write into these mappings.
-            logger.warning("kvtier: host regions left mapped until the process ends")
-            return
-        for region in self._regions:
-            region.close()
-        self._regions.clear()
-
-
-class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type]
-    """vLLM's ``OffloadingWorker`` over :class:`OffloadTransferWorker`.
-
-    vLLM asserts that every transfer succeeds. Under kvtier's connector
-    (:mod:`kvtier.tiering_spec.connector`, which sets ``failures_reported``), a job
-    that fails (a plan the copy engine refuses, a failed copy) is reported to vLLM as
-    done and to the connector as failed: a failed load's device blocks are recomputed,
-    a failed store's host blocks are never read. Without it, a failure reaches vLLM.
-    """
-
-    def __init__(self, core: OffloadTransferWorker, *, store: bool = True) -> None:
-        self.core = core
-        # False on ranks other than 0 of a replicated layout: vLLM 0.32 and 0.33 send
-        # them no stores; a release that did would have them rewrite rank 0's copy.
-        self.store = store
-        self.failures_reported = False
-        self._skipped: list[int] = []
-        self._refused: list[int] = []
-        self._load_blocks: dict[int, list[int]] = {}  # load job -> device block ids
-        self._failed_loads: dict[int, list[int]] = {}  # failed load job -> device block ids
-        self._failed_stores: list[int] = []
-        self._logged: set[str] = set()
-
-    def _refuse(self, job_id: int, what: str, exc: Exception) -> None:
-        if not self.failures_reported:
-            raise exc
-        if what not in self._logged:
-            self._logged.add(what)
-            logger.error(
-                "kvtier: a %s plan was refused by the copy engine (%s: %s); that transfer "
-                "failed and is recomputed. Further refusals are only counted.",
-                what,
-                type(exc).__name__,
-                exc,
-            )
-        self._refused.append(job_id)
-
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
-        if not self.store:
-            # Acknowledged as done: the scheduler waits for every rank's report of a job.
-            self._skipped.append(job_id)
-            return True
-        try:
-            self.core.submit_store(
-                job_id,
-                src_spec.block_ids.tolist(),
-                list(src_spec.group_sizes),
-                list(src_spec.block_indices),
-                dst_spec.block_ids.tolist(),  # type: ignore[attr-defined]
-            )
-        except Exception as exc:
-            self._refuse(job_id, "store", exc)
-        return True
-
-    def submit_load(
-        self,
-        job_id: int,
-        src_spec: LoadStoreSpec,
-        dst_spec: GPULoadStoreSpec,
-        expedited: bool = False,  # vLLM 0.33: a load vLLM waits for at once; all start at once
-    ) -> bool:
-        device_ids = dst_spec.block_ids.tolist()
-        self._load_blocks[job_id] = device_ids
-        try:
-            self.core.submit_load(
-                job_id,
-                src_spec.block_ids.tolist(),  # type: ignore[attr-defined]
-                device_ids,
-                list(dst_spec.group_sizes),
-                list(dst_spec.block_indices),
-            )
-        except Exception as exc:
-            self._refuse(job_id, "load", exc)
-        return True
-
-    def get_finished(self) -> list[Any]:
-        skipped, self._skipped = self._skipped, []
-        refused, self._refused = self._refused, []
-        done = [(j, True, 0, 0.0) for j in skipped] + [(j, False, 0, 0.0) for j in refused]
-        done += [(j.job_id, j.ok, j.nbytes, j.seconds) for j in self.core.get_finished()]
-        results = []
-        for job_id, ok, nbytes, seconds in done:
-            device_ids = self._load_blocks.pop(job_id, None)
-            if not ok and self.failures_reported:
-                ok = True  # for vLLM, which asserts; the connector learns the truth
-                if device_ids is not None:
-                    self._failed_loads[job_id] = device_ids
-                else:
-                    self._failed_stores.append(job_id)
-            results.append(compat.transfer_result(job_id, ok, nbytes, seconds))
-        return results
-
-    def take_failed_loads(self) -> dict[int, list[int]]:
-        """Load jobs that failed since the last call, with their device block ids: the
-        connector reports the blocks, or the jobs' requests, for vLLM to recompute."""
-        failed, self._failed_loads = self._failed_loads, {}
-        return failed
-
-    def take_failed_stores(self) -> list[int]:
-        """Store jobs that failed since the last call (their host blocks hold no KV)."""
-        failed, self._failed_stores = self._failed_stores, []
-        return failed
-
-    def wait(self, job_ids: set[int]) -> None:
-        self.core.wait(job_ids)
-
-    def shutdown(self) -> None:
-        self.core.shutdown()
+    def close(self) -> None:
+        with self._lock:
+            for region in self._regions:
+                region.close()
+            self._regions = []
+            self._views = None
 
 
 # Names under which kvtier's classes are reachable with spec_module_path

@@ -41,7 +41,7 @@ import importlib
 import importlib.util
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from vllm.v1.kv_offload import base as _base
 from vllm.v1.kv_offload.base import OffloadingSpec
@@ -289,3 +289,45 @@ def store_job_keys(connector: Any, job_id: int) -> list[Any] | None:
     if status is None or not getattr(status, "is_store", False):
         return None
     return list(status.keys)
+
+
+# ---------------------------------------------------------------- per-request state
+# vLLM 0.32's ReqContext keeps per-request objects by type (get_state / set_state) and
+# knows each key's place in the prompt (get_offload_key_position); older ones have
+# neither, and kvtier marks the context itself where it can.
+
+_STATE_ATTR = "_kvtier_state_"
+_T = TypeVar("_T")
+
+
+def keeps_request_state(req_context: Any) -> bool:
+    """Whether ``req_context`` keeps per-request objects (vLLM 0.32 and later)."""
+    return getattr(req_context, "get_state", None) is not None
+
+
+def request_state(req_context: Any, kind: type[_T]) -> _T | None:
+    """The object of type ``kind`` kept for the request, or None."""
+    get_state = getattr(req_context, "get_state", None)
+    if get_state is not None:
+        return cast("_T | None", get_state(kind))
+    return cast("_T | None", getattr(req_context, _STATE_ATTR + kind.__name__, None))
+
+
+def set_request_state(req_context: Any, state: object) -> bool:
+    """Keep ``state`` for the request (one object per type); False where the context
+    can keep nothing."""
+    set_state = getattr(req_context, "set_state", None)
+    if set_state is not None:
+        set_state(state)
+        return True
+    try:
+        setattr(req_context, _STATE_ATTR + type(state).__name__, state)
+    except AttributeError:
+        return False
+    return True
+
+
+def key_positions(req_context: Any, keys: list[Any]) -> list[Any] | None:
+    """Each key's place in the request's prompt, where the scheduler tells it."""
+    position = getattr(req_context, "get_offload_key_position", None)
+    return None if position is None else [position(key) for key in keys]

@@ -1,0 +1,249 @@
+"""vLLM's ``OffloadingManager`` over kvtier's :class:`~kvtier.tiering_spec.manager.
+TierManager`, and what it keeps per request (the keys a request stored or reused, and
+which tiers it may use)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from kvtier.tiering_spec import metrics as m
+from kvtier.tiering_spec import vllm_compat as compat
+from kvtier.tiering_spec.manager import Lookup, TierManager
+
+if TYPE_CHECKING:
+    from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
+
+logger = logging.getLogger("kvtier.tiering_spec")
+
+
+class _RequestReuse:
+    """The keys one request stored or reused (loaded, or offered for storing again
+    while cached), in the order first seen, and which of them it reused: vLLM 0.32 and
+    later never call ``touch`` and leave recency to the manager when the request
+    finishes; older releases touch keys themselves, after each store."""
+
+    __slots__ = ("finished", "keys", "reused", "stored")
+
+    def __init__(self) -> None:
+        self.keys: dict[OffloadKey, None] = {}
+        self.reused: set[OffloadKey] = set()
+        self.stored: set[OffloadKey] = set()
+        self.finished = False
+
+    def note(self, keys: Iterable[OffloadKey], *, reused: bool) -> None:
+        """Record ``keys`` as reused by the request, or as stored by it. Reading back
+        a key the request stored (a cascade between tiers) is not a reuse."""
+        seen, stored = self.keys, self.stored
+        for key in keys:
+            seen.setdefault(key, None)
+            if not reused:
+                stored.add(key)
+            elif key not in stored:
+                self.reused.add(key)
+
+
+class _RequestTiers:
+    """Which tiers one request may use: the host tier always, the secondary (persistent)
+    tiers unless the request runs with a LoRA adapter or kvtier cannot tell."""
+
+    __slots__ = ("secondary",)
+
+    def __init__(self, secondary: bool) -> None:
+        self.secondary = secondary
+
+
+class KvtierOffloadingManager(OffloadingManager):
+    """vLLM's ``OffloadingManager`` over :class:`TierManager`.
+
+    A request with a LoRA adapter uses the host tier only: vLLM's block hashes name the
+    adapter (0.23: its name; 0.32: its name and path), never its weights, so a file or
+    object in a persistent tier could outlive the adapter it was computed with. kvtier's
+    connector tells the manager which requests carry one (:meth:`note_new_request`);
+    a request it did not announce uses the secondary tiers only where vLLM's config
+    shows LoRA off.
+    """
+
+    def __init__(self, spec: _KvtierSpec) -> None:
+        self.spec = spec
+        # (request id, whether it has a LoRA adapter) of the request being added now.
+        self._arriving: tuple[str, bool] | None = None
+        self._logged: set[str] = set()
+        tiers, self._regions = spec.build_secondary_tiers()
+        s = spec.settings
+        self.core = TierManager(
+            spec.new_pool(),
+            tiers,
+            store_threshold=s.store_threshold,
+            max_tracker_size=s.max_tracker_size,
+        )
+        self._metrics = m.MetricsEmitter(self.core, tiering=spec.TIERING)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        if self.spec.no_loads_reason is not None:
+            return compat.lookup_result(Lookup.MISS)
+        return compat.lookup_result(
+            self.core.lookup(key, req_context.req_id, secondary=self._secondary(req_context))
+        )
+
+    def note_new_request(self, req_id: str, has_lora: bool) -> None:
+        """Called by kvtier's connector just before vLLM adds the request ``req_id``
+        (``on_new_request``): whether it runs with a LoRA adapter."""
+        self._arriving = (req_id, has_lora)
+
+    def _secondary(self, req_context: ReqContext) -> bool:
+        """Whether the request may read and write the secondary (persistent) tiers."""
+        if not self.core.secondary_tiers:
+            return True
+        mark = compat.request_state(req_context, _RequestTiers)
+        if mark is not None:
+            return mark.secondary
+        if self.spec.lora_enabled is False:
+            return True  # vLLM refuses LoRA requests when LoRA is off
+        self._log_once(
+            "unknown",
+            "kvtier: a request reached the manager without kvtier's connector in front, and "
+            "LoRA may be on (vLLM's config %s), so kvtier cannot tell whether its blocks "
+            "were computed with an adapter: such requests use the host tier only, never "
+            "the fs or mooncake tiers",
+            "enables it" if self.spec.lora_enabled else "was not found",
+        )
+        return False
+
+    def _log_once(self, what: str, msg: str, *args: Any) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            logger.warning(msg, *args)
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        return compat.cache_hit_source(self.core.load_source(key))
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        blocks = self.core.prepare_load(list(keys))
+        state = self._request_reuse(req_context)
+        if state is not None:
+            state.note(keys, reused=True)
+        return CPULoadStoreSpec(blocks)
+
+    @staticmethod
+    def _request_reuse(req_context: ReqContext) -> _RequestReuse | None:
+        """The request's record for :meth:`on_request_finished`; None before vLLM 0.32
+        (no request state: the connector calls touch itself) or once it finished."""
+        if not compat.keeps_request_state(req_context):
+            return None
+        state = compat.request_state(req_context, _RequestReuse)
+        if state is None:
+            state = _RequestReuse()
+            compat.set_request_state(req_context, state)
+        return None if state.finished else state
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Order every key the request stored or reused so that its prefix's tail goes
+        first and its head last (as vLLM 0.32 does); only reused keys count as a use."""
+        if not compat.keeps_request_state(req_context):
+            return
+        state = compat.request_state(req_context, _RequestReuse)
+        if state is None or state.finished:
+            return
+        state.finished = True
+        keys = list(state.keys)
+        ends = compat.key_positions(req_context, keys)
+        if ends is not None and None not in ends:  # each key's place in the prompt
+            keys = [k for _, k in sorted(zip(ends, keys), key=lambda e: e[0])]
+        if keys:
+            self.core.finish_request(keys, state.reused)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.core.touch(list(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.core.complete_load(list(keys))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        state = self._request_reuse(req_context)
+        if state is not None:
+            pool = self.core.pool  # cached keys offered again are a use
+            state.note((k for k in keys if pool.contains(k)), reused=True)
+        plan = self.core.prepare_store(keys)
+        if plan is None:
+            return None
+        to_store, blocks, evicted = plan
+        if state is not None:
+            state.note(to_store, reused=False)
+        return PrepareStoreOutput(
+            keys_to_store=cast(Any, to_store),
+            store_spec=CPULoadStoreSpec(blocks),
+            evicted_keys=cast(Any, evicted),
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self.core.complete_store(list(keys), success, secondary=self._secondary(req_context))
+
+    def fail_store(self, keys: Collection[OffloadKey]) -> None:
+        """A store a worker could not copy: its keys are dropped now, never loaded
+        (vLLM's own completion of the job then finds nothing stored)."""
+        self.core.complete_store(list(keys), False)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        arriving, self._arriving = self._arriving, None
+        if arriving is not None and arriving[0] == req_context.req_id:
+            has_lora = arriving[1]
+            compat.set_request_state(req_context, _RequestTiers(secondary=not has_lora))
+            if has_lora and self.core.secondary_tiers:
+                self._log_once(
+                    "lora",
+                    "kvtier: requests with a LoRA adapter use the host tier only, never the "
+                    "fs or mooncake tiers: vLLM's block hashes name an adapter, not its "
+                    "weights, so KV kept across restarts could outlive a retrained adapter",
+                )
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for event in self.core.pool.take_events():
+            yield compat.offloading_event(list(event.keys), event.kind == "removed")
+        for tier in self.core.secondary_tiers:
+            for removed, keys in tier.take_events():
+                yield compat.offloading_event(
+                    list(keys), removed, tier=tier.name, locality=tier.locality
+                )
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        self.core.end_step()
+
+    def has_pending_work(self) -> bool:
+        return self.core.has_pending_work()
+
+    def reset_cache(self) -> None:
+        self.core.reset(self.spec.new_pool())
+
+    def collect_metrics(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
+        """(kind, name, value, label values) of kvtier's metrics since the last call."""
+        return self._metrics.collect()
+
+    def get_stats(self) -> Any:
+        return compat.manager_stats(self.collect_metrics())
+
+    def shutdown(self) -> None:
+        if not self.core.shutdown():
+            # An I/O thread stuck in a read may still write into these mappings.
+            logger.warning("kvtier: host regions left mapped until the process ends")
+            return
+        if self._regions is not None:
+            self._regions.close()
