@@ -74,32 +74,6 @@ def free_bytes(dir_fd: int) -> int:
     return int(st.f_bavail) * int(st.f_frsize)
 
 
-def write_block(
-    fd: int,
-    hdr: mmap.mmap,
-    fingerprint: bytes,
-    digest: bytes,
-    payload: memoryview,
-    auth_key: bytes | None,
-) -> None:
-    """Write one block file's header (built in ``hdr``) and ``payload`` to ``fd`` from
-    offset 0, continuing after short writes."""
-    crc = fs_format.checksum(payload)
-    head = fs_format.encode_header(
-        fingerprint, digest, len(payload), crc, auth_key=auth_key, payload=payload
-    )
-    hdr[: len(head)] = head
-    total = fs_format.HEADER_SIZE + len(payload)
-    written = _pwritev(fd, [hdr, payload], 0)
-    while written < total:  # short writes: continue where it stopped
-        if written < fs_format.HEADER_SIZE:
-            raise OSError(errno.EIO, "short header write")
-        n = _pwritev(fd, [payload[written - fs_format.HEADER_SIZE :]], written)
-        if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        written += n
-
-
 def write_and_rename(
     folder: int,
     tmp: str,
@@ -112,19 +86,25 @@ def write_and_rename(
     auth_key: bytes | None,
     direct: bool,
 ) -> None:
-    """Write the block file open as ``fd`` (named ``tmp`` in ``folder``), then rename it
-    to ``name``. If O_DIRECT refuses the buffer (EINVAL), the same file is written again
-    buffered. ``fd`` is closed, and on any failure ``tmp`` is removed."""
+    """Write the block file open as ``fd`` (named ``tmp`` in ``folder``): its header,
+    built in ``hdr``, and ``payload``; then rename it to ``name``. If O_DIRECT refuses the
+    buffer (EINVAL), the same file is written again buffered. ``fd`` is closed, and on any
+    failure ``tmp`` is removed."""
+    crc = fs_format.checksum(payload)
+    head = fs_format.encode_header(
+        fingerprint, digest, len(payload), crc, auth_key=auth_key, payload=payload
+    )
+    hdr[: len(head)] = head
     try:
         try:
-            write_block(fd, hdr, fingerprint, digest, payload, auth_key)
+            _write_all(fd, hdr, payload)
         except OSError as exc:
             if not (direct and exc.errno == errno.EINVAL):
                 raise
             os.close(fd)
             fd = -1
             fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
-            write_block(fd, hdr, fingerprint, digest, payload, auth_key)
+            _write_all(fd, hdr, payload)
         _rename(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
     except BaseException:
         try:
@@ -135,6 +115,20 @@ def write_and_rename(
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _write_all(fd: int, hdr: mmap.mmap, payload: memoryview) -> None:
+    """Write ``hdr`` then ``payload`` to ``fd`` from offset 0, continuing after short
+    writes."""
+    total = fs_format.HEADER_SIZE + len(payload)
+    written = _pwritev(fd, [hdr, payload], 0)
+    while written < total:  # short writes: continue where it stopped
+        if written < fs_format.HEADER_SIZE:
+            raise OSError(errno.EIO, "short header write")
+        n = _pwritev(fd, [payload[written - fs_format.HEADER_SIZE :]], written)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        written += n
 
 
 def take_over(
@@ -177,32 +171,30 @@ def read_block(
     """Read block file ``name`` of ``folder`` into ``payload``, checked (see the module
     docstring). With ``direct``, O_DIRECT; retried buffered if it refuses the buffer
     (EINVAL: not aligned). ``tail`` (one page) catches a file longer than a block file."""
-    try:
-        _read_block(folder, name, hdr, tail, fingerprint, digest, payload, auth_key, direct)
-    except OSError as exc:
-        if not (direct and exc.errno == errno.EINVAL):
-            raise
-        _read_block(folder, name, hdr, tail, fingerprint, digest, payload, auth_key, False)
+    for o_direct in (O_DIRECT, 0) if direct and O_DIRECT else (0,):
+        # O_NONBLOCK: a FIFO planted under that name fails the read instead of hanging;
+        # O_NOFOLLOW: a symlink planted there fails it instead of reading its target.
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | o_direct
+        try:
+            _read_into(os.open(name, flags, dir_fd=folder), hdr, tail, payload)
+            break
+        except OSError as exc:
+            if not (o_direct and exc.errno == errno.EINVAL):
+                raise
+    crc = fs_format.decode_header(
+        hdr, fingerprint=fingerprint, digest=digest, payload_len=len(payload)
+    )
+    if fs_format.checksum(payload) != crc:
+        raise fs_format.FormatError(TierFault.CORRUPT, "payload checksum mismatch")
+    if auth_key is not None:
+        fs_format.check_mac(hdr, payload, auth_key)
 
 
-def _read_block(
-    folder: int,
-    name: str,
-    hdr: mmap.mmap,
-    tail: mmap.mmap,
-    fingerprint: bytes,
-    digest: bytes,
-    payload: memoryview,
-    auth_key: bytes | None,
-    direct: bool,
-) -> None:
-    # O_NONBLOCK: a FIFO planted under that name fails the read instead of hanging;
-    # O_NOFOLLOW: a symlink planted there fails it instead of reading its target.
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | (O_DIRECT if direct else 0)
-    fd = os.open(name, flags, dir_fd=folder)
+def _read_into(fd: int, hdr: mmap.mmap, tail: mmap.mmap, payload: memoryview) -> None:
+    """Read the file open as ``fd`` (closed here) into ``hdr`` and ``payload``: only this
+    tier's own files (this user's, a regular file with no other link), of exactly the
+    block file's length."""
     try:
-        # Whoever could put a file here, only this tier's own are read: this user's,
-        # a regular file with no other link.
         why = foreign(os.fstat(fd))
         if why is not None:
             raise fs_format.FormatError(TierFault.FOREIGN, why)
@@ -219,10 +211,3 @@ def _read_block(
             raise fs_format.FormatError(TierFault.CORRUPT, f"longer than {want} bytes")
     finally:
         os.close(fd)
-    crc = fs_format.decode_header(
-        hdr, fingerprint=fingerprint, digest=digest, payload_len=len(payload)
-    )
-    if fs_format.checksum(payload) != crc:
-        raise fs_format.FormatError(TierFault.CORRUPT, "payload checksum mismatch")
-    if auth_key is not None:
-        fs_format.check_mac(hdr, payload, auth_key)
