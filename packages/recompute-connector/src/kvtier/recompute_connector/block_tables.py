@@ -37,11 +37,8 @@ class BlockTableMirror:
         self.groups = list(groups)
         self.null_block_id = null_block_id
         self._tables: dict[str, list[list[int]]] = {}
-
-    @property
-    def supported(self) -> bool:
-        """Whether every group's table can be rebuilt from the outputs alone."""
-        return all(g.supported and not g.state and g.mirrorable for g in self.groups)
+        # Whether every group's table can be rebuilt from the outputs alone.
+        self.supported = all(g.supported and not g.state and g.mirrorable for g in groups)
 
     def replace(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> None:
         """A new or resumed request: its whole table."""
@@ -74,6 +71,3 @@ class BlockTableMirror:
     def forget(self, req_id: str) -> None:
         """Preempted (its blocks are freed) or finished."""
         self._tables.pop(req_id, None)
-
-    def __len__(self) -> int:
-        return len(self._tables)

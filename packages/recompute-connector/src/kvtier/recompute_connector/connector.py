@@ -339,9 +339,10 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._refresh_every_step = any(g.sliding_window or g.state for g in self._groups)
         # vLLM 0.32 hands the scheduler side its KV cache manager to read block tables
         # from; where it does not (0.23), the tables are rebuilt from its outputs.
+        # (The mirror is dropped once a manager is bound, and kept up only until then.)
         self._kv_cache_manager: Any = None
         self._gpu_block_pool: Any = None
-        self._mirror = BlockTableMirror(self._groups)
+        self._mirror: BlockTableMirror | None = BlockTableMirror(self._groups)
         if role == KVConnectorRole.SCHEDULER:
             budget = self.config.resolve_budget(self.block_bytes)
             self.scheduler = RecomputeOffloadScheduler(
@@ -502,8 +503,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         tokens after a ``local_tokens`` prefix-cache hit allocates, ``extra`` state
         blocks it does not count included (blocks of every group); None when that is
         unknown or more than the device has."""
-        manager = self._kv_cache_manager
-        pool = getattr(manager, "block_pool", None) or self._gpu_block_pool
+        pool = self._gpu_block_pool  # also bound by bind_kv_cache_manager
         if pool is None:
             return None
         need = extra
@@ -525,8 +525,14 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self.scheduler.on_allocated(req_id, blocks.get_block_ids(), local, num_external_tokens)
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        # vLLM 0.32 (0.23 never calls it): the manager answers block tables, so the
+        # mirror of the scheduler's outputs is not needed.
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._mirror = None
+
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        # vLLM releases without bind_kv_cache_manager (0.23): free blocks are read here.
+        # Every release: free blocks are read here (_room_for).
         self._gpu_block_pool = gpu_block_pool
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -534,6 +540,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if sched is None:
             return RecomputeConnectorMetadata(StepPlan())
         num_scheduled = scheduler_output.num_scheduled_tokens
+        mirror = self._mirror
         for req_id in sorted(scheduler_output.preempted_req_ids or ()):
             if req_id in num_scheduled:
                 # Preempted outside schedule() (a prefix-cache reset) and admitted again
@@ -541,18 +548,21 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 sched.running.pop(req_id, None)
             else:
                 sched.on_preempted(req_id, *self._block_hashes(req_id))
-            self._mirror.forget(req_id)
+            if mirror is not None:
+                mirror.forget(req_id)
         for new in scheduler_output.scheduled_new_reqs:
-            self._mirror.replace(new.req_id, new.block_ids)
+            if mirror is not None:
+                mirror.replace(new.req_id, new.block_ids)
             self._observe(sched, new.req_id, new.num_computed_tokens, num_scheduled, True)
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
-            if req_id in resumed:
-                self._mirror.replace(req_id, new_blocks or ())
-            elif not self._mirror.append(req_id, new_blocks):
-                self._mirror.forget(req_id)
+            if mirror is not None:
+                if req_id in resumed:
+                    mirror.replace(req_id, new_blocks or ())
+                elif not mirror.append(req_id, new_blocks):
+                    mirror.forget(req_id)
             changed = req_id in resumed or bool(new_blocks and any(new_blocks))
             self._observe(sched, req_id, cached.num_computed_tokens[i], num_scheduled, changed)
         return RecomputeConnectorMetadata(sched.build_step_plan())
@@ -587,7 +597,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         block_ids: Any = None
         if self._kv_cache_manager is not None:
             block_ids = self._kv_cache_manager.get_block_ids(req_id)
-        elif self._mirror.supported:
+        elif self._mirror is not None and self._mirror.supported:
             block_ids = self._mirror.table(req_id, num_computed + n)
         if block_ids is None:
             # Its block table changed and cannot be read: a copy would miss blocks, so
@@ -608,7 +618,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._local_hits.pop(request.request_id, None)
             self._room_waits.pop(request.request_id, None)
             self._requests.pop(request.request_id, None)
-            self._mirror.forget(request.request_id)
+            if self._mirror is not None:
+                self._mirror.forget(request.request_id)
             self.scheduler.on_finished(request.request_id)
         return False, None
 
