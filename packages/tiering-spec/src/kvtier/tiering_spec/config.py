@@ -97,6 +97,10 @@ _AUTH_KEY_FILE = Text(
     "by every engine of the tier"
 )
 
+_ENABLE_KV_EVENTS = Key(
+    "enable_kv_events", Bool(), "publish KV events for this tier (when KV events are on)", True
+)
+
 # kv_connector_extra_config of kvtier's specs: the keys they or vLLM's OffloadingConnector
 # read; any other is warned about by name.
 SPEC_SCHEMA = Schema(
@@ -236,12 +240,7 @@ FS_TIER_SCHEMA = Schema(
             "before a block the host tier has dropped",
             "frecency",
         ),
-        Key(
-            "enable_kv_events",
-            Bool(),
-            "publish KV events for this tier (when KV events are on)",
-            True,
-        ),
+        _ENABLE_KV_EVENTS,
         Key("locality", Choice(LOCALITIES, fold_case=True), "reported in KV events", "LOCAL"),
         Key(
             "auth_key_file",
@@ -322,12 +321,7 @@ MOONCAKE_TIER_SCHEMA = Schema(
             64 << 20,
             default_words="64 MiB",
         ),
-        Key(
-            "enable_kv_events",
-            Bool(),
-            "publish KV events for this tier (when KV events are on)",
-            True,
-        ),
+        _ENABLE_KV_EVENTS,
         Key("locality", Choice(LOCALITIES, fold_case=True), "reported in KV events", "REMOTE"),
         Key(
             "auth_key_file",

@@ -682,14 +682,21 @@ class FileSystemTier(SecondaryTier):
             old_shard, old_name = self._where(reuse)
             self._remove(old_shard, old_name, leftover)
             self._disk.note_own_change(old_shard, reuse, False)
+        self._finish("write", key, digest, block_id, fault, t0)
+
+    def _finish(
+        self, op: str, key: bytes, digest: bytes, block_id: int, fault: TierFault | None, t0: float
+    ) -> None:
+        """Hand a finished read or write (begun at ``t0``) to the next ``poll``."""
+        ok = fault is None
         self._results.append(
             TierResult(
-                "write",
+                op,
                 key,
                 block_id,
-                fault is None,
+                ok,
                 fault,
-                self.entry_bytes if fault is None else 0,
+                self.entry_bytes if ok else 0,
                 time.perf_counter() - t0,
                 digest,
             )
@@ -784,18 +791,7 @@ class FileSystemTier(SecondaryTier):
             fault = TierFault.FOREIGN if exc.errno == errno.ELOOP else TierFault.UNREADABLE
         except Exception:
             fault = TierFault.UNREADABLE
-        self._results.append(
-            TierResult(
-                "read",
-                key,
-                block_id,
-                fault is None,
-                fault,
-                self.entry_bytes if fault is None else 0,
-                time.perf_counter() - t0,
-                digest,
-            )
-        )
+        self._finish("read", key, digest, block_id, fault, t0)
 
     def _read_file(
         self,
