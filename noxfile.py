@@ -467,12 +467,15 @@ def wheel(session: nox.Session, dist: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the whole repository, one root configuration; then the source rules
-    ruff cannot express (tools/check_src.py: no stack-frame reads under src/)."""
-    session.install("ruff")
+    ruff cannot express (tools/check_src.py: no stack-frame reads under src/); each
+    package's version against its changelog and its siblings' pins (tools/versions.py)."""
+    session.install("ruff", "packaging")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("python", "tools/check_src.py", "--self-test")
     session.run("python", "tools/check_src.py")
+    session.run("python", "tools/versions.py", "--self-test")
+    session.run("python", "tools/versions.py", "check")
 
 
 @nox.session
