@@ -43,7 +43,6 @@ from pathlib import Path
 
 import tomllib
 from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,11 +181,11 @@ def problems(root: Path, *, history: bool = True) -> list[str]:
     return out
 
 
-def _next_range(version: Version) -> SpecifierSet:
+def _next_range(version: Version) -> str:
     """The pin a sibling gets on ``version``: its release line (0.x: the minor)."""
     major, minor = version.major, version.minor
     upper = f"{major}.{minor + 1}" if major == 0 else f"{major + 1}"
-    return SpecifierSet(f">={major}.{minor},<{upper}")
+    return f">={major}.{minor},<{upper}"
 
 
 def bump(root: Path, dist: str, new: str) -> list[str]:
@@ -273,15 +272,15 @@ def self_test() -> None:
         top = packages(root)["kvtier-blockpool"]
         first = top.version()
         if next(s for s in top.sections() if s.when).when == "unreleased":
-            release(root, "kvtier-blockpool", "2026-01-01")
+            release(root, "kvtier-blockpool", "2999-01-01")
         nxt = Version(first)
         bumped = f"{nxt.major}.{nxt.minor + 1}.0"
         moved = bump(root, "kvtier-blockpool", bumped)
         assert moved, "bump moved no sibling pin"
         assert problems(root, history=False) == [], problems(root, history=False)
-        release(root, "kvtier-blockpool", "2026-01-02")
+        release(root, "kvtier-blockpool", "2999-01-02")
         assert problems(root, history=False) == [], problems(root, history=False)
-        edit(root / pool / "CHANGELOG.md", "— 2026-01-02", "— 2025-01-02")
+        edit(root / pool / "CHANGELOG.md", "— 2999-01-02", "— 2000-01-02")
         assert problems(root, history=False), "not caught: dates out of order"
     print(f"versions self-test: {len(cases) + 2} planted offences caught, bump and release ok")
 
