@@ -36,13 +36,7 @@ FRAME_READ = re.compile(
 FACTORY = re.compile(r"factory", re.IGNORECASE)
 
 ALLOWED: dict[str, dict[str, str]] = {
-    "frame read": {
-        "packages/recompute-connector/src/kvtier/recompute_connector/vllm_compat.py": (
-            "MultiConnector hands a child a private copy of the configuration, and "
-            "vLLM's scheduler reads kv_load_failure_policy from the parent's: the parent "
-            "is found from the caller"
-        ),
-    },
+    "frame read": {},
     "class under a branch": {},
     "factory patch": {},
 }

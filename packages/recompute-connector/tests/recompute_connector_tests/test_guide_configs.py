@@ -75,13 +75,16 @@ def test_guide_configuration_starts_and_restores(
 def test_guide_pd_configuration_recomputes_failed_restores(
     tiny_model: Path, reference: WorkloadResult
 ) -> None:
-    """The guide's P/D example sets no kv_load_failure_policy, and vLLM's default fails
-    a request whose load failed: with every restore failing, outputs must still match."""
+    """The guide's P/D example with the policy where the guide puts it, on the top-level
+    MultiConnector configuration (vLLM's default, ``fail``, would end a request whose
+    load failed): with every restore failing, outputs must still match."""
+    config = copy.deepcopy(GUIDE_MULTI)
+    config["kv_load_failure_policy"] = "recompute"
     with failing_copies(loads=True) as refused:
         run = run_connector(
             tiny_model,
             FORCED_PREEMPTION_WORKLOAD,
-            copy.deepcopy(GUIDE_MULTI),
+            config,
             additional_config={"recompute_scheduler_enable": True},
         )
     assert refused["load"] > 0

@@ -33,8 +33,8 @@ The scheduler/worker protocol, and why it is correct under vLLM's step order:
   recomputes it from the start, as it refuses block-level failures for such a model.
 * A failed load is reported from ``get_block_ids_with_load_errors`` in the same step;
   vLLM then recomputes from the first failed block (``kv_load_failure_policy``
-  ``"recompute"``, which the connector sets on the configuration vLLM's scheduler reads:
-  its own standalone, its ``MultiConnector``'s as a child). The host blocks
+  ``"recompute"``, which the connector sets on its configuration standing alone; inside
+  ``MultiConnector`` the top-level configuration's policy governs). The host blocks
   are freed once every rank reported the load, or at once when R finishes or is
   aborted while restorable.
 """
@@ -246,56 +246,26 @@ def _hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
         return int(vllm_config.cache_config.block_size)
 
 
-def parent_multi_connector() -> Any:
-    """The ``MultiConnector`` (vLLM's or a subclass, such as vllm-ascend's) whose
-    constructor is building the caller, or None when the connector stands alone.
-
-    A child gets a private copy of the configuration naming only itself, so the
-    parent is found on the call stack: the ``self`` of a ``MultiConnector.__init__``.
-    """
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
-            MultiConnector,
-        )
-    except Exception:
-        return None
-    return vllm_compat.calling_object(lambda owner: isinstance(owner, MultiConnector))
-
-
 def _recompute_failed_restores(vllm_config: Any) -> None:
     """A failed restore must fall back to recompute, never fail the request.
 
-    vLLM's scheduler reads ``kv_load_failure_policy`` from the top-level configuration
-    right after it builds the connector, so the connector may still set it there.
-    Inside ``MultiConnector`` a child's configuration is a private copy: the policy is
-    set on the parent's, where it governs the other connectors' failed loads too (they
-    are then recomputed rather than failing their requests), which is logged.
+    vLLM's scheduler reads ``kv_load_failure_policy`` from its configuration right after
+    it builds the connector, so a connector standing alone may still set it there.
+    Inside ``MultiConnector`` a child is handed a private copy of the configuration: the
+    top-level ``kv-transfer-config`` governs every child's failed loads, so the policy
+    is set there by the operator (as the guide says for the P/D connector), and what is
+    set here changes nothing. Nothing wrong is loaded either way: under ``fail``, vLLM
+    ends a request whose restore failed with an error instead of recomputing it.
     """
-    parent = parent_multi_connector()
-    config = vllm_config if parent is None else getattr(parent, "_vllm_config", None)
-    ktc = getattr(config, "kv_transfer_config", None)
-    if ktc is None:
-        return
-    policy = getattr(ktc, "kv_load_failure_policy", None)
-    if policy == "recompute":
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is None or getattr(ktc, "kv_load_failure_policy", None) == "recompute":
         return
     ktc.kv_load_failure_policy = "recompute"
-    if parent is None:
-        logger.info(
-            "kvtier: kv_load_failure_policy set to 'recompute': a failed restore is "
-            "recomputed like any preempted request"
-        )
-        return
-    children = (getattr(ktc, "kv_connector_extra_config", None) or {}).get("connectors") or []
-    own = str(getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector", ""))
-    others = [str(c.get("kv_connector")) for c in children if c.get("kv_connector") != own]
-    logger.warning(
-        "kvtier: kv_load_failure_policy of the %s set from %r to 'recompute', so that a "
-        "failed restore is recomputed; a failed load of its other connectors (%s) is now "
-        "recomputed too instead of failing its request",
-        type(parent).__name__,
-        policy,
-        ", ".join(others) or "none",
+    logger.info(
+        "kvtier: kv_load_failure_policy set to 'recompute': a failed restore is recomputed "
+        "like any preempted request (inside MultiConnector the top-level "
+        "kv-transfer-config's policy governs: set \"kv_load_failure_policy\": "
+        "\"recompute\" there)"
     )
 
 

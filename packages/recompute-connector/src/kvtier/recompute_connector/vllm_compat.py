@@ -20,8 +20,6 @@ Every difference is detected from vLLM's own classes, not from version numbers:
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from typing import Any
 
 
@@ -48,17 +46,3 @@ def transfer_results(finished_recving: set[str], failed_recving: set[str]) -> An
     return KVConnectorTransferResults(
         finished_recving=set(finished_recving), failed_recving=set(failed_recving)
     )
-
-
-def calling_object(matches: Callable[[Any], bool], max_depth: int = 8) -> Any:
-    """The nearest ``self`` up the call stack (from the caller's caller) for which
-    ``matches`` is true, or None: how a connector finds the vLLM object building it."""
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if owner is not None and matches(owner):
-            return owner
-    return None
