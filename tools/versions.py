@@ -47,7 +47,7 @@ from packaging.version import InvalidVersion, Version
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = re.compile(r"^## (?P<version>\S+) — (?P<when>unreleased|\d{4}-\d{2}-\d{2})\s*$")
-ABOUT = re.compile(r'^__version__ = "(?P<version>[^"]+)"\s*$', re.MULTILINE)
+ABOUT = re.compile(r'^__version__ = "(?P<version>[^"]+)"[ \t]*$', re.MULTILINE)
 
 
 @dataclass
@@ -277,6 +277,8 @@ def self_test() -> None:
         bumped = f"{nxt.major}.{nxt.minor + 1}.0"
         moved = bump(root, "kvtier-blockpool", bumped)
         assert moved, "bump moved no sibling pin"
+        about = packages(root)["kvtier-blockpool"].about.read_text(encoding="utf-8")
+        assert about.endswith(f'"{bumped}"\n'), f"bump wrote {about!r}"
         assert problems(root, history=False) == [], problems(root, history=False)
         release(root, "kvtier-blockpool", "2999-01-02")
         assert problems(root, history=False) == [], problems(root, history=False)

@@ -264,8 +264,8 @@ def _recompute_failed_restores(vllm_config: Any) -> None:
     logger.info(
         "kvtier: kv_load_failure_policy set to 'recompute': a failed restore is recomputed "
         "like any preempted request (inside MultiConnector the top-level "
-        "kv-transfer-config's policy governs: set \"kv_load_failure_policy\": "
-        "\"recompute\" there)"
+        'kv-transfer-config\'s policy governs: set "kv_load_failure_policy": '
+        '"recompute" there)'
     )
 
 
