@@ -16,6 +16,8 @@ from .tier_support import PAYLOAD, Region
 
 
 def settle(mgr: TierManager, timeout: float = 20.0) -> None:
+    """Submit what waits for the end of the step, then wait for every tier job."""
+    mgr.flush()
     deadline = time.monotonic() + timeout
     while mgr.has_pending_work() and time.monotonic() < deadline:
         time.sleep(0.002)
@@ -101,15 +103,21 @@ def test_stored_blocks_are_written_through_and_promoted_back(make_tier) -> None:
     assert mgr.counters.promotions == 1
 
 
-def promote_a_corrupt_file(make_tier) -> tuple[TierManager, object]:
-    """A manager whose fs tier held a, damaged on disk, and just tried to promote it."""
+def a_in_the_fs_tier_only(make_tier) -> tuple[TierManager, object]:
+    """A one-block host tier holding b, in front of an fs tier holding a and b."""
     region = Region(1)
     tier = make_tier(region)
     mgr = TierManager(HostBlockPool(1), [tier], max_write_backlog=64)
     store(mgr, region, [b"a"])
     settle(mgr)
-    store(mgr, region, [b"b"])  # a now lives in the fs tier only
+    store(mgr, region, [b"b"])
     settle(mgr)
+    return mgr, tier
+
+
+def promote_a_corrupt_file(make_tier) -> tuple[TierManager, object]:
+    """A manager whose fs tier held a, damaged on disk, and just tried to promote it."""
+    mgr, tier = a_in_the_fs_tier_only(make_tier)
     [path] = tier.paths(key_digest(b"a"))
     with open(path, "r+b") as f:
         f.seek(5000)
@@ -190,13 +198,7 @@ def test_a_full_fs_tier_drops_the_copy_of_a_block_the_host_tier_serves(make_tier
 
 
 def test_promotion_without_host_room_is_a_miss(make_tier) -> None:
-    region = Region(1)
-    tier = make_tier(region)
-    mgr = TierManager(HostBlockPool(1), [tier], max_write_backlog=64)
-    store(mgr, region, [b"a"])
-    settle(mgr)
-    store(mgr, region, [b"b"])
-    settle(mgr)
+    mgr, _ = a_in_the_fs_tier_only(make_tier)
     mgr.prepare_load([b"b"])  # the only host block is pinned by a load
     assert mgr.lookup(b"a") is Lookup.MISS
     assert mgr.counters.promotion_allocation_failures == 1
@@ -321,3 +323,79 @@ def test_a_key_a_tier_cannot_answer_yet_is_pending_not_a_miss(make_tier) -> None
     mgr = TierManager(HostBlockPool(4), [tier])
     assert mgr.lookup(b"k") is Lookup.HIT_PENDING, "an unanswered key was a miss"
     assert mgr.lookup(b"k") is Lookup.MISS
+
+
+def spy_on_jobs(tier) -> list[tuple[str, str, int]]:
+    """(op, request, items) of each job submitted to ``tier`` from now on."""
+    seen: list[tuple[str, str, int]] = []
+    submit = tier.submit
+
+    def spy(job):
+        seen.append((job.op, job.request, len(job.items)))
+        return submit(job)
+
+    tier.submit = spy
+    return seen
+
+
+def test_a_device_store_goes_to_each_tier_as_one_job_at_the_end_of_the_step(make_tier) -> None:
+    region = Region(4)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(4), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a", b"b", b"c"])
+    # Held for the write at once (no eviction can take them), submitted later.
+    assert mgr.write_pinned_blocks == 3
+    assert tier.in_flight == 0 and mgr.counters.jobs_submitted == 0
+    assert mgr.has_pending_work(), "queued writes keep the engine stepping"
+    submitted = spy_on_jobs(tier)
+    mgr.end_step()
+    assert submitted == [("write", "store-1", 3)]
+    assert mgr.counters.jobs_submitted == 1 and mgr.counters.writes_submitted == 3
+    results = []
+    results_of = tier.results
+
+    def keep():
+        out = results_of()
+        results.extend(out)
+        return out
+
+    tier.results = keep
+    settle(mgr)
+    assert sorted(r.key for r in results if r.op == "write") == [b"a", b"b", b"c"]
+    assert {r.job for r in results if r.op == "write"} == {1}, "results carry their job's id"
+    assert mgr.jobs_in_flight == 0 and mgr.write_pinned_blocks == 0
+
+
+def test_one_requests_promotions_are_one_read_job_when_its_pass_ends(make_tier) -> None:
+    region = Region(6)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(6), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a", b"b", b"c"])
+    settle(mgr)
+    store(mgr, region, [b"u", b"v", b"w", b"x", b"y", b"z"])  # a, b, c: in the fs tier only
+    settle(mgr)
+    ops = spy_on_jobs(tier)
+    assert [mgr.lookup(k, "r1") for k in (b"a", b"b")] == [Lookup.HIT_PENDING] * 2
+    assert ops == [] and mgr.promoting_blocks == 2, "reserved now, read when the pass ends"
+    assert mgr.lookup(b"c", "r2") is Lookup.HIT_PENDING  # r1's pass ended: its job goes
+    assert ops == [("read", "r1", 2)]
+    mgr.end_step()
+    assert ops == [("read", "r1", 2), ("read", "r2", 1)]
+    settle(mgr)
+    assert [mgr.lookup(k, "r3") for k in (b"a", b"b", b"c")] == [Lookup.HIT] * 3
+    assert mgr.counters.promotions == 3
+    assert mgr.counters.jobs_submitted == 4, "two device stores' writes and two reads"
+
+
+def test_a_read_the_tier_refuses_is_a_miss_not_a_wait(make_tier) -> None:
+    mgr, tier = a_in_the_fs_tier_only(make_tier)
+    tier.submit_read = lambda key, digest, block_id: False  # e.g. its region unmapped
+    assert mgr.lookup(b"a", "r") is Lookup.HIT_PENDING
+    mgr.end_step()
+    assert mgr.promoting_blocks == 0 and not mgr.pool.is_storing(b"a"), "block given back"
+    for _ in range(FRESH_STEPS - 1):
+        assert mgr.lookup(b"a", "r") is Lookup.MISS, "a refused read must not wait forever"
+        mgr.end_step()
+    del tier.submit_read  # the tier reads again
+    mgr.end_step()
+    assert mgr.lookup(b"a", "r") is Lookup.HIT_PENDING, "tried again after FRESH_STEPS"

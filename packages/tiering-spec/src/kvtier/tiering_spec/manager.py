@@ -11,17 +11,25 @@ Flow:
   (the host blocks stay held, ``Hold.TIER_WRITE``, until their files are written);
 * a lookup that misses the host tier but hits an fs tier reserves a host block and
   reads the file into it (a *promotion*); the key reads ``HIT_PENDING`` until the
-  read finished, then ``HIT``, or ``MISS`` if the file was bad; a read that timed out
+  read finished, then ``HIT``, or ``MISS`` if the file was bad or the tier refused
+  the read (for ``FRESH_STEPS`` steps); a read that timed out
   (a store tier's call past its deadline) reads ``MISS`` at once, and its host block
   stays reserved until the tier's ``"release"`` result: the late call may still write
   into it;
 * host eviction needs no I/O: an evicted block is already on disk (write-through),
   so the pool may reuse it at once.
+
+Reads and writes go to a tier as jobs (:class:`TierJob`): the promotions of one
+request's lookup pass, and the write-through of one device store, each become one job
+per tier, submitted when the pass ends (the next request's lookup, or the end of the
+step) or at the end of the step (``end_step``, ``drain``). Their host blocks are
+reserved or held at once, so nothing waits on the submission but the I/O.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -35,7 +43,7 @@ from kvtier.blockpool import (
     PoolStats,
     StoreAdmissionFilter,
 )
-from kvtier.tiering_spec.tiers.base import SecondaryTier, TierFault
+from kvtier.tiering_spec.tiers.base import SecondaryTier, TierFault, TierJob
 from kvtier.tiering_spec.tiers.fs_format import key_digest
 
 logger = logging.getLogger("kvtier.tiering_spec")
@@ -68,6 +76,7 @@ class TierCounters:
     writes_submitted: int = 0
     writes_dropped: int = 0
     write_failures: int = 0
+    jobs_submitted: int = 0
     allocation_sizes: list[int] = field(default_factory=list)
 
 
@@ -117,6 +126,14 @@ class TierManager:
         # and a cap on promoting plus held blocks: half the host tier, the rest for stores.
         self._fresh: OrderedDict[bytes, int] = OrderedDict()
         self._step = 0
+        # Items waiting for the end of their pass or step, by (tier index, op, request);
+        # keys a tier refused to read (-> the step: a MISS for FRESH_STEPS steps); jobs
+        # in flight (id -> items not yet back).
+        self._queued: dict[tuple[int, str, str], list[tuple[bytes, bytes, int]]] = {}
+        self._refused: OrderedDict[bytes, int] = OrderedDict()
+        self._job_ids = itertools.count(1)
+        self._jobs: dict[int, int] = {}
+        self._stores = 0
         self.max_promoting = max(1, pool.num_blocks // 2)
         # The tiers' name of each key in use, computed once (a lookup, a write-through,
         # touches and the request's end all need it); forgotten all at once when full.
@@ -134,6 +151,7 @@ class TierManager:
         if self._pass_req != req_id:
             self._pass_req = req_id
             self._pass_keys = []
+            self.flush()  # the previous request's promotions
         self.poll()
         pool = self.pool
         self.counters.host_queries += 1
@@ -147,6 +165,8 @@ class TierManager:
             self._pass_keys.append(key)
             return Lookup.HIT_PENDING
         if not self.secondary_tiers or not secondary:
+            return Lookup.MISS
+        if self._refused and key in self._refused:
             return Lookup.MISS
         digest = self._digest(key)
         unknown = False
@@ -172,11 +192,10 @@ class TierManager:
             if plan is None or not plan.keys:
                 self.counters.promotion_allocation_failures += 1
                 return Lookup.MISS
-            if not tier.submit_read(key, digest, plan.block_ids[0]):
-                pool.complete_store(plan.keys, success=False)
-                return Lookup.MISS
+            self._queued.setdefault((idx, "read", req_id), []).append(
+                (key, digest, plan.block_ids[0])
+            )
             self._promoting[key] = idx
-            self.counters.promotions += 1
             self._load_sources[key] = tier.name
             if len(self._load_sources) > _MAX_LOAD_SOURCES:
                 self._load_sources.popitem(last=False)
@@ -275,8 +294,13 @@ class TierManager:
             self._write_through(keys)
 
     def _write_through(self, keys: Sequence[bytes]) -> None:
+        """Hold the new blocks for each tier's write now; submit them as one job per
+        tier at the end of the step."""
         pool = self.pool
-        for tier in self.secondary_tiers:
+        self._stores += 1
+        store = f"store-{self._stores}"
+        for idx, tier in enumerate(self.secondary_tiers):
+            items: list[tuple[bytes, bytes, int]] = []
             for key in keys:
                 if not pool.contains(key):
                     continue
@@ -286,11 +310,39 @@ class TierManager:
                 if pool.held(Hold.TIER_WRITE) >= self.max_write_backlog:
                     self.counters.writes_dropped += 1
                     continue
-                block = pool.hold([key], Hold.TIER_WRITE)[0]
-                if tier.submit_write(key, digest, block):
-                    self.counters.writes_submitted += 1
+                items.append((key, digest, pool.hold([key], Hold.TIER_WRITE)[0]))
+            if items:
+                self._queued[(idx, "write", store)] = items
+
+    def flush(self) -> None:
+        """Submit what waits: one job per tier, operation and request (or device store).
+        A read a tier refuses gives its reserved block back and its key a MISS for
+        ``FRESH_STEPS`` steps; a refused write releases its hold."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, {}
+        pool = self.pool
+        for (idx, op, request), items in queued.items():
+            job = TierJob(next(self._job_ids), op, request, items)
+            started = self.secondary_tiers[idx].submit(job)
+            self.counters.jobs_submitted += 1
+            left = 0
+            for (key, _digest, _block), ok in zip(items, started):
+                if ok:
+                    left += 1
+                    if op == "read":
+                        self.counters.promotions += 1
+                    else:
+                        self.counters.writes_submitted += 1
+                elif op == "read":
+                    if self._promoting.pop(key, None) is not None:
+                        pool.complete_store([key], success=False)
+                    self._load_sources.pop(key, None)
+                    self._refused[key] = self._step
                 else:
                     pool.release([key], Hold.TIER_WRITE)
+            if left:
+                self._jobs[job.id] = left
 
     # ------------------------------------------------------------------ completion
 
@@ -299,8 +351,13 @@ class TierManager:
         jobs in flight or not: a poll also takes in what the tier found on its own (a
         start-up scan, files other engines wrote, probe answers)."""
         pool = self.pool
+        jobs = self._jobs
         for tier in self.secondary_tiers:
-            for res in tier.poll():
+            for res in tier.results():
+                if res.job in jobs:
+                    jobs[res.job] -= 1
+                    if not jobs[res.job]:
+                        del jobs[res.job]
                 if res.op == "release":  # a timed-out read's late call is over
                     if res.key in self._held:
                         self._held.discard(res.key)
@@ -337,27 +394,37 @@ class TierManager:
 
     def end_step(self) -> None:
         """Once per scheduler step: apply completions, forget the lookup pass, release
-        promoted blocks not loaded within ``FRESH_STEPS``."""
+        promoted blocks not loaded within ``FRESH_STEPS``, submit what waits."""
+        self.flush()
         self.poll()
         self._step += 1
-        fresh = self._fresh
-        while fresh:
-            key, step = next(iter(fresh.items()))
-            if self._step - step < FRESH_STEPS:
-                break
-            del fresh[key]
+        self._expire(self._refused)
+        for key in self._expire(self._fresh):
             self.pool.release([key], Hold.PROMOTION)
         self._pass_req = None
         self._pass_keys = []
 
+    def _expire(self, since: OrderedDict[bytes, int]) -> list[bytes]:
+        """Remove and return the keys of ``since`` (key -> step, oldest first) that are
+        ``FRESH_STEPS`` old."""
+        gone: list[bytes] = []
+        while since:
+            key, step = next(iter(since.items()))
+            if self._step - step < FRESH_STEPS:
+                break
+            del since[key]
+            gone.append(key)
+        return gone
+
     def has_pending_work(self) -> bool:
-        """Whether fs jobs are in flight (the engine must keep stepping to finish them)."""
-        return any(t.in_flight for t in self.secondary_tiers)
+        """Whether tier jobs wait or are in flight (the engine must keep stepping)."""
+        return bool(self._queued) or any(t.in_flight for t in self.secondary_tiers)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait for every fs job (at most ``timeout`` seconds in all); False if some
         are still running (counted as ``timeout`` faults of their tiers)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self.flush()
         done = True
         for tier in self.secondary_tiers:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -389,6 +456,8 @@ class TierManager:
         self._promoting.clear()
         self._held.clear()
         self._load_sources.clear()
+        self._refused.clear()
+        self._jobs.clear()
 
     def shutdown(self) -> bool:
         """Stop the fs tiers; False if one still has an I/O call running (its host
@@ -419,3 +488,8 @@ class TierManager:
     @property
     def promoting_blocks(self) -> int:
         return len(self._promoting)
+
+    @property
+    def jobs_in_flight(self) -> int:
+        """Tier jobs submitted with items not yet back."""
+        return len(self._jobs)

@@ -42,7 +42,8 @@ FAULT_KINDS: tuple[TierFault, ...] = tuple(TierFault)
 
 @dataclass
 class TierResult:
-    """A finished job of a secondary tier, handed to the manager by the tier's ``poll``."""
+    """One finished item of a secondary tier's job, handed over by the tier's ``poll``
+    (``results`` labels it with its job's id)."""
 
     op: str  # "read" | "write"
     key: bytes
@@ -52,6 +53,18 @@ class TierResult:
     nbytes: int = 0
     seconds: float = 0.0
     digest: bytes | None = None  # the key's digest, where the job had it
+    job: int = 0  # the id of the job it belongs to (0: none, e.g. a timed-out read's release)
+
+
+@dataclass
+class TierJob:
+    """Reads or writes of one request on one tier, submitted together: ``items`` are
+    (key, digest, host block) with each digest computed once for the job."""
+
+    id: int
+    op: str  # "read" | "write"
+    request: str
+    items: list[tuple[bytes, bytes, int]]
 
 
 @dataclass
@@ -155,6 +168,36 @@ class SecondaryTier(ABC):
     def locality(self) -> str:
         """``LOCAL`` or ``REMOTE``, as KV events report the tier."""
         return str(self.cfg.locality)
+
+    def submit(self, job: TierJob) -> list[bool]:
+        """Start every item of ``job``; for each, whether it started. Their results come
+        back from :meth:`results` labelled ``job.id``."""
+        start = self.submit_read if job.op == "read" else self.submit_write
+        jobs = self._jobs_by_item()
+        started: list[bool] = []
+        for key, digest, block_id in job.items:
+            ok = start(key, digest, block_id)
+            if ok:
+                jobs[(job.op, key)] = job.id
+            started.append(ok)
+        return started
+
+    def results(self) -> list[TierResult]:
+        """What :meth:`poll` returns, each result labelled with the id of its job."""
+        out = self.poll()
+        jobs = self._jobs_by_item()
+        if jobs:
+            for res in out:
+                res.job = jobs.pop((res.op, res.key), 0)
+        return out
+
+    def _jobs_by_item(self) -> dict[tuple[str, bytes], int]:
+        """(op, key) of each item in flight -> its job's id (made on first use, so a
+        tier's constructor need not call this class's)."""
+        jobs: dict[tuple[str, bytes], int] | None = self.__dict__.get("_job_of_item")
+        if jobs is None:
+            jobs = self.__dict__["_job_of_item"] = {}
+        return jobs
 
     def has(self, digest: bytes) -> bool:
         """Indexed or being written (no I/O, no counters)."""
