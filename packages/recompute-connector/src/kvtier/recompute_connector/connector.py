@@ -57,7 +57,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvtier.recompute_connector import vllm_compat
 from kvtier.recompute_connector.block_tables import BlockTableMirror
 from kvtier.recompute_connector.config import RecomputeOffloadConfig
 from kvtier.recompute_connector.metrics import (
@@ -69,6 +68,7 @@ from kvtier.recompute_connector.metrics import (
 from kvtier.recompute_connector.protocol import StepPlan, WorkerReport
 from kvtier.recompute_connector.state import Fallback, KVGroup, RecomputeOffloadScheduler
 from kvtier.recompute_connector.worker import RecomputeOffloadWorker
+from kvtier.vllm_port import connector_api
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -300,11 +300,11 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, Any] = {}
         self._hash_block_size = 0
         self._groups = kv_groups(kv_cache_config)
-        self._stats_every_step = not vllm_compat.binds_kv_cache_manager()
+        self._stats_every_step = not connector_api.binds_kv_cache_manager()
         # Several KV cache groups: a failed restore can only be reported as a failed
-        # request, which vLLM accepts for restores it waits for (vllm_compat).
+        # request, which vLLM accepts for restores it waits for (connector_api).
         several_groups = len(self._groups) > 1
-        self._async_restores = several_groups and vllm_compat.request_level_load_failures()
+        self._async_restores = several_groups and connector_api.request_level_load_failures()
         # Sliding-window and state groups retire blocks while a request runs.
         self._refresh_every_step = any(g.sliding_window or g.state for g in self._groups)
         # vLLM 0.32 hands the scheduler side its KV cache manager to read block tables
@@ -421,7 +421,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         failed: set[str] = set()
         if self.worker is not None and self._async_restores:
             finished, failed = self.worker.finished_loads()
-        return vllm_compat.transfer_results(finished, failed)
+        return connector_api.transfer_results(finished, failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker is None:

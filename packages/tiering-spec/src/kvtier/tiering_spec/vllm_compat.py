@@ -48,6 +48,7 @@ from vllm.v1.kv_offload.base import OffloadingSpec
 
 from kvtier.tiering_spec import metrics as m
 from kvtier.tiering_spec.manager import Lookup
+from kvtier.vllm_port import connector_api
 
 # The newer interfaces, each present from the release that introduced it.
 CONFIG_API = importlib.util.find_spec("vllm.v1.kv_offload.config") is not None
@@ -269,7 +270,7 @@ WorkerMetadataBase: type | None = _worker_metadata_base()
 # Whether a connector can report a failed load as a failed request
 # (``KVConnectorTransferResults.failed_recving``, vLLM 0.32): the only way a model with
 # several KV cache groups recomputes a failed load instead of stopping the engine.
-REQUEST_LEVEL_LOAD_FAILURES = hasattr(ConnectorBase, "get_transfer_results")
+REQUEST_LEVEL_LOAD_FAILURES = connector_api.request_level_load_failures()
 
 
 def load_job_requests(connector: Any) -> dict[int, str]:
