@@ -366,3 +366,64 @@ def test_a_finished_requests_stored_prefix_is_evicted_from_its_tail(
         f"{policy}: evicted {[k[:1] for k in out.evicted_keys]}, expected the tail (4)"
     )
     mgr.shutdown()
+
+
+class _RecordingMetric:
+    """A Prometheus metric class that records what it is given (one per label set)."""
+
+    made: list[_RecordingMetric] = []
+
+    def __init__(self, **kwargs: object) -> None:
+        self.name = kwargs.get("name")
+        self.labelvalues: tuple[object, ...] = ()
+        self.values: list[float] = []
+        self.children: list[_RecordingMetric] = []
+        _RecordingMetric.made.append(self)
+
+    def labels(self, *labelvalues: object) -> _RecordingMetric:
+        child = _RecordingMetric(name=self.name)
+        child.labelvalues = labelvalues
+        self.children.append(child)
+        return child
+
+    def inc(self, value: float) -> None:
+        self.values.append(value)
+
+    observe = set = inc
+
+
+@pytest.mark.parametrize("spec_name", ["KvtierCPUOffloadingSpec", "KvtierTieringOffloadingSpec"])
+def test_vllms_deprecated_transfer_metrics_count_kvtiers_specs(spec_name: str) -> None:
+    """vLLM keeps vllm:kv_offload_total_bytes and its siblings for its CPUOffloadingSpec
+    and subclasses only: kvtier's specs, which answer that name, must count too."""
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, Gauge, Histogram
+
+    metrics = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics")
+    if not hasattr(metrics, "OffloadPromMetrics") or not hasattr(metrics, "_TransferMetricName"):
+        pytest.skip("this vLLM has no deprecated transfer metrics")
+    from kvtier.tiering_spec import vllm_adapter
+
+    plugin.register()
+    extra = {"spec_name": spec_name, "cpu_bytes_to_use": 1 << 20}
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+    types = {t: _RecordingMetric for t in (Counter, Gauge, Histogram)}
+    _RecordingMetric.made = []
+    prom = metrics.OffloadPromMetrics(config, types, ["model_name", "engine"], {0: ["m", "0"]})
+    load_bytes = metrics._TransferMetricName.LOAD_BYTES
+    prom.observe(
+        {
+            metrics._StatsKey.TYPES: {load_bytes: metrics._MetricType.COUNTER},
+            metrics._StatsKey.DATA: {load_bytes: {(): 4096}},
+        }
+    )
+    deprecated = [
+        m for m in _RecordingMetric.made if m.name == "vllm:kv_offload_total_bytes" and m.values
+    ]
+    assert [m.values for m in deprecated] == [[4096]], "the deprecated metric stayed silent"
+    vllm_cpu_spec = pytest.importorskip("vllm.v1.kv_offload.cpu.spec")
+    assert issubclass(vllm_adapter.CPUOffloadingSpec, vllm_cpu_spec.CPUOffloadingSpec)
+    assert vllm_adapter.CPUOffloadingSpec.__mro__[1:] == vllm_adapter._KvtierSpec.__mro__, (
+        "nothing of vLLM's class is inherited"
+    )

@@ -160,6 +160,30 @@ def _cached_prefix_unusable(vllm_config: Any) -> str | None:
     return None
 
 
+def _stand_in_for_vllms_cpu_spec() -> None:
+    """Make kvtier's specs count as vLLM's ``CPUOffloadingSpec`` where vLLM asks.
+
+    vLLM 0.32's connector metrics keep its deprecated transfer metrics
+    (``vllm:kv_offload_total_bytes``, ``vllm:kv_offload_total_time``,
+    ``vllm:kv_offload_size``) only for a spec class that subclasses its
+    ``CPUOffloadingSpec`` (as its ``TieringOffloadingSpec`` does), and ask right
+    after the spec's ``build_metric_definitions``. kvtier's specs answer that name, so
+    they are registered as its virtual subclasses (``ABC.register``): ``issubclass``
+    and ``isinstance`` say yes, and nothing of vLLM's class is inherited. Idempotent; a
+    release without that class, or where it is no ABC, is left alone.
+    """
+    try:
+        from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VllmCPUSpec
+    except Exception:  # another layout of vLLM's modules: nothing there asks
+        return
+    register = getattr(VllmCPUSpec, "register", None)
+    if not callable(register):
+        return
+    for spec in (CPUOffloadingSpec, TieringOffloadingSpec):
+        if not issubclass(spec, VllmCPUSpec):
+            register(spec)
+
+
 class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
     """What both specs share: config validation, budget, worker.
 
@@ -184,6 +208,8 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        # vLLM's metrics ask next whether this class is its CPUOffloadingSpec.
+        _stand_in_for_vllms_cpu_spec()
         return compat.metric_definitions(cls.kvtier_metric_table(extra_config))
 
     def __init__(self, *args: Any) -> None:
