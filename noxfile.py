@@ -12,6 +12,7 @@ as that wheel: built, checked to hold the compiled library, installed, tested.
     nox -s lint typecheck
     nox -s test-npu         # Ascend hardware only; skips elsewhere
     nox -s "e2e(vllm='0.23.0')"  # engine tests on another vLLM CPU build (CI runs 0.23.0)
+    nox -s conformance      # vLLM 0.32.0's offloading tests against kvtier's classes
     nox -s wheel            # each package's wheel alone, with its declared dependencies only
 """
 
@@ -46,6 +47,8 @@ nox.options.sessions = [
     "e2e(vllm='0.23.0')",
     "plugins(vllm='0.33.0')",
     "pd",
+    # vLLM 0.32.0's own offloading tests against kvtier's classes.
+    "conformance",
     # Each package's wheel alone, with only its declared dependencies.
     "wheel",
 ]
@@ -349,6 +352,95 @@ def plugins(session: nox.Session, vllm: str) -> None:
     session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)")
     paths = [str(PACKAGES[d].folder / t) for d, tests in PLUGIN_TESTS.items() for t in tests]
     _pytest(session, paths)
+
+
+CONFORMANCE = ROOT / "conformance" / "vllm_0_32"
+
+
+def fetch_sdist(session: nox.Session, url: str, sha256: str) -> Path:
+    """The file at ``url``, downloaded once into the session's tmp folder and checked
+    against ``sha256`` (stdlib only: urllib and hashlib)."""
+    import hashlib
+    import urllib.request
+
+    path = Path(session.create_tmp()) / "cache" / url.rsplit("/", 1)[-1]
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    if not path.is_file() or digest() != sha256:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(".part")
+        session.log(f"downloading {url}")
+        with urllib.request.urlopen(url, timeout=120) as response, part.open("wb") as out:
+            shutil.copyfileobj(response, out)
+        part.replace(path)
+        if digest() != sha256:
+            path.unlink()
+            session.error(f"{url}: sha256 is not {sha256}")
+    return path
+
+
+def extract_members(session: nox.Session, archive: Path, names: list[str], dest: Path) -> None:
+    """Extract ``names`` (paths under the archive's top folder) from a .tar.gz into
+    ``dest``, nothing else; fails on a name the archive lacks."""
+    import tarfile
+
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    with tarfile.open(archive, "r:gz") as tar:
+        top = tar.getmembers()[0].name.split("/")[0]
+        members = {m.name: m for m in tar.getmembers() if m.isfile()}
+        for name in names:
+            member = members.get(f"{top}/{name}")
+            if member is None:
+                session.error(f"{archive.name} has no {name}")
+            source = tar.extractfile(member)
+            assert source is not None
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with source, target.open("wb") as out:
+                shutil.copyfileobj(source, out)
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    """vLLM 0.32.0's own offloading tests (from its source distribution, unedited)
+    against kvtier's manager, specs and connector, through the pytest plugin in
+    conformance/vllm_0_32/ (which says which files run and why). Expected deviations
+    are listed, with their reasons, in conformance/vllm_0_32/deviations.toml; any other
+    failure fails the session, and so does a listed deviation that passes."""
+    suite = tomllib.loads((CONFORMANCE / "suite.toml").read_text())
+    install_packages(
+        session,
+        ["kvtier-tiering-spec", "kvtier-testkit"],
+        *TEST_DEPS,
+        "pytest-xdist>=3",
+        "tomli; python_version < '3.11'",  # the plugin reads deviations.toml
+        with_vllm=True,
+    )  # fmt: skip
+    session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)")
+    sdist = fetch_sdist(session, suite["sdist"]["url"], suite["sdist"]["sha256"])
+    tree = Path(session.create_tmp()) / "vllm-tests"
+    files = suite["files"]
+    extract_members(session, sdist, files["support"] + files["run"], tree)
+    work = Path(session.create_tmp()) / "conformance"
+    work.mkdir(exist_ok=True)
+    session.run(
+        "pytest", "-p", "no:cacheprovider", "-p", "conformance.vllm_0_32.plugin",
+        "-c", str(CONFORMANCE / "pytest.ini"), "--rootdir", str(tree),
+        *[str(tree / f) for f in files["run"]],
+        *(session.posargs or ["-n", "2"]),
+        env={
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(tree)]),
+            "KVTIER_CONFORMANCE_DIR": str(work),
+            "KVTIER_TINY_MODEL_DIR": str(work / "models"),
+        },
+    )  # fmt: skip
 
 
 MOONCAKE = "mooncake-transfer-engine-non-cuda"

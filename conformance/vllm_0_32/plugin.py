@@ -1,0 +1,274 @@
+"""pytest plugin: vLLM 0.32.0's own offloading tests, run against kvtier's classes.
+
+The nox session ``conformance`` extracts the test files named in ``suite.toml`` from
+vLLM's source distribution, unedited, and runs them with this plugin
+(``-p conformance.vllm_0_32.plugin``). Before any test module is imported
+(``pytest_configure``) it points vLLM at kvtier:
+
+* by configuration: ``KVTIER_UPSTREAM_NAMES=1`` and kvtier-tiering-spec's vLLM plugin,
+  so ``OffloadingSpecFactory`` answers ``CPUOffloadingSpec`` and
+  ``TieringOffloadingSpec`` and ``KVConnectorFactory`` answers ``OffloadingConnector``
+  with kvtier's classes;
+* by rebinding the names the tests import: ``CPUOffloadingManager`` (a thin class
+  that builds :class:`~kvtier.tiering_spec.vllm_manager.KvtierOffloadingManager` from
+  the manager's arguments), ``CPUOffloadingSpec``, ``TieringOffloadingSpec`` and
+  ``OffloadingConnector`` (kvtier's);
+* the model names the tests give (``facebook/opt-125m`` for every scheduler test's
+  config, ``meta-llama/Llama-3.2-1B-Instruct`` for the engine tests) are redirected
+  with vLLM's ``VLLM_MODEL_REDIRECT_PATH`` to a tiny local Llama made by
+  kvtier-testkit, and the hub is off (``HF_HUB_OFFLINE=1``).
+
+The files that run, and why (each builds kvtier's manager, spec, policy or connector):
+
+* ``tests/v1/kv_offload/cpu/test_manager.py``: the manager (``CPUOffloadingManager``);
+* ``tests/v1/kv_offload/cpu/policies/test_factory.py``: ``CachePolicyFactory`` and
+  custom policies behind the manager;
+* ``tests/v1/kv_offload/test_factory.py``: the spec factory, the specs' sizing and
+  their metric definitions;
+* ``tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py``,
+  ``test_config.py``, ``test_events.py`` and ``test_metrics.py``: the connector
+  (kvtier's ``OffloadingConnector``) in vLLM's scheduler, its configuration, its KV
+  events and its metrics;
+* ``tests/v1/kv_connector/unit/test_offloading_connector.py``: engine tests through
+  ``LLM`` (those vLLM runs on CPU).
+
+Left out, because they test vLLM's internals and never build a kvtier class: the
+tiering suite (``kv_offload/tiering/``: vLLM's tiers, p2p, backpressure), the shared
+offload region, the file mapper, the canonical layout and the swap kernels
+(``test_canonical_layout.py``, ``test_swap_blocks_*.py``, ``test_gpu_worker.py``,
+``test_canonical_mapping.py``), and the connector's worker tests
+(``test_worker.py``, ``test_worker_metadata.py``: vLLM's connector worker behind mock
+and bare specs, and its metadata).
+
+Expected deviations are in ``deviations.toml``: each is marked ``xfail(strict=True)``
+with the exception it must fail with, so any other failure fails the run, and so do a
+deviation that starts passing and an entry that matches no test.
+``KVTIER_CONFORMANCE_BASELINE=1`` runs the same tests with the same models against
+vLLM's own classes, without deviations (whose failure is it?).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+HERE = Path(__file__).resolve().parent
+DEVIATIONS = HERE / "deviations.toml"
+REASON_PREFIXES = (
+    "kvtier differs on purpose: ",
+    "reads vLLM's private internals: ",
+    "fails with vLLM's own classes here too: ",
+    "needs the hub model's weights: ",
+)
+# The hub models the tests name; each is redirected to the tiny local model.
+HUB_MODELS = ("facebook/opt-125m", "meta-llama/Llama-3.2-1B-Instruct")
+
+
+def _exception(name: str) -> type[BaseException]:
+    """The exception class a deviation names: a builtin, or kvtier's ``ConfigError``."""
+    import builtins
+
+    from kvtier.tiering_spec.config import ConfigError
+
+    cls = ConfigError if name == "ConfigError" else getattr(builtins, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+        raise pytest.UsageError(f"{DEVIATIONS.name}: raises={name!r} is no exception class")
+    return cls
+
+
+def _load_deviations() -> list[tuple[str, str, dict[str, Any]]]:
+    """(node id or pattern, reason, xfail's other arguments) of each listed deviation."""
+    data = tomllib.loads(DEVIATIONS.read_text())
+    entries = []
+    for group in data.get("deviation", []):
+        reason = group["reason"]
+        if not reason.startswith(REASON_PREFIXES):
+            raise pytest.UsageError(
+                f"{DEVIATIONS.name}: a reason must start with one of {REASON_PREFIXES}, "
+                f"got {reason!r}"
+            )
+        # run = false: listed, not run; raises: the failure must be this exception.
+        options: dict[str, Any] = {"run": bool(group.get("run", True))}
+        if "raises" in group:
+            options["raises"] = _exception(group["raises"])
+        entries.extend((test, reason, options) for test in group["tests"])
+    return entries
+
+
+def _redirect_models(workdir: Path) -> None:
+    """Point the hub model names at a tiny local Llama (vLLM's own redirect file)."""
+    from kvtier.testkit.model import make_tiny_llama
+
+    root = Path(os.environ.get("KVTIER_TINY_MODEL_DIR") or workdir / "models")
+    # 4 KV heads (a tensor-parallel shard must cover them exactly in test_config.py).
+    model = make_tiny_llama(root, heads=4, head_dim=64, hidden=256)
+    redirect = workdir / "model-redirect.json"
+    redirect.write_text(json.dumps({name: str(model) for name in HUB_MODELS}))
+    os.environ["VLLM_MODEL_REDIRECT_PATH"] = str(redirect)
+
+
+def _substitute() -> list[tuple[Any, str, Any]]:
+    """Register kvtier's names with vLLM's factories, and rebind vLLM's class names that
+    the tests import to kvtier's classes; returns what was rebound, to restore."""
+    import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector as vllm_connector
+    import vllm.v1.kv_offload.cpu.manager as vllm_manager
+    import vllm.v1.kv_offload.cpu.spec as vllm_cpu_spec
+    import vllm.v1.kv_offload.tiering.spec as vllm_tiering_spec
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from conformance.vllm_0_32 import adapters
+    from kvtier.tiering_spec import connector, plugin, vllm_adapter
+
+    plugin.register()
+    specs = {
+        name: OffloadingSpecFactory.get_spec_cls({"spec_name": name})
+        for name in ("CPUOffloadingSpec", "TieringOffloadingSpec")
+    }
+    connector_cls = KVConnectorFactory.get_connector_class_by_name("OffloadingConnector")
+    if (
+        not plugin.overridden()
+        or connector_cls is not connector.OffloadingConnector
+        or any(cls is not getattr(vllm_adapter, name) for name, cls in specs.items())
+    ):
+        raise pytest.UsageError(
+            f"vLLM's names do not resolve to kvtier's classes: {specs}, {connector_cls}"
+        )
+    rebound = [
+        (vllm_manager, "CPUOffloadingManager", adapters.CPUOffloadingManager),
+        (vllm_cpu_spec, "CPUOffloadingSpec", vllm_adapter.CPUOffloadingSpec),
+        (vllm_tiering_spec, "TieringOffloadingSpec", vllm_adapter.TieringOffloadingSpec),
+        (vllm_connector, "OffloadingConnector", connector.OffloadingConnector),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in rebound]
+    for module, name, cls in rebound:
+        setattr(module, name, cls)
+    return saved
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    baseline = os.environ.get("KVTIER_CONFORMANCE_BASELINE") == "1"
+    os.environ["KVTIER_UPSTREAM_NAMES"] = "0" if baseline else "1"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    workdir = Path(os.environ.get("KVTIER_CONFORMANCE_DIR") or tempfile.mkdtemp())
+    workdir.mkdir(parents=True, exist_ok=True)
+    _redirect_models(workdir)
+    for marker in ("slow_test", "skip_global_cleanup", "cpu_test", "optional", "distributed"):
+        config.addinivalue_line("markers", f"{marker}: vLLM's marker")
+    if baseline:
+        # vLLM's own classes, the same tests and models: what vLLM itself passes here.
+        config.stash[_DEVIATIONS] = []
+        return
+    config.stash[_SAVED] = _substitute()
+    config.stash[_DEVIATIONS] = _load_deviations()
+
+
+_DEVIATIONS = pytest.StashKey[list[tuple[str, str, dict[str, Any]]]]()
+_SAVED = pytest.StashKey[list[tuple[Any, str, Any]]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Once the test modules hold kvtier's classes, give vLLM its own names back: vLLM's
+    code that imports them when it runs (its metrics ask ``issubclass(spec,
+    CPUOffloadingSpec)``) then sees what it sees in an engine with kvtier installed."""
+    for module, name, original in session.config.stash.get(_SAVED, []):
+        setattr(module, name, original)
+
+
+def _node_id(item: pytest.Item) -> str:
+    """The node id from ``tests/`` on, whatever folder the suite was extracted to."""
+    nodeid = item.nodeid
+    at = nodeid.find("tests/v1/")
+    return nodeid[at:] if at >= 0 else nodeid
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each listed deviation ``xfail(strict=True)``; an entry that matches no test
+    of a file that was collected is stale, and stops the run."""
+    deviations = config.stash[_DEVIATIONS]
+    used: set[str] = set()
+    files: set[str] = set()
+    for item in items:
+        nodeid = _node_id(item)
+        files.add(nodeid.split("::", 1)[0])
+        for pattern, reason, options in deviations:
+            if nodeid == pattern or fnmatch.fnmatchcase(nodeid, pattern):
+                used.add(pattern)
+                item.add_marker(pytest.mark.xfail(reason=reason, strict=True, **options))
+                break
+    stale = [p for p, _, _ in deviations if p not in used and p.split("::", 1)[0] in files]
+    if config.getoption("keyword") or config.getoption("markexpr"):
+        stale = []  # a selection: entries may well match nothing in it
+    _STALE.update(stale)
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: tell the controller
+        workeroutput["kvtier_stale"] = stale
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist's controller: the stale entries a worker found."""
+    _STALE.update(getattr(node, "workeroutput", {}).get("kvtier_stale", ()))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _STALE and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_STALE: set[str] = set()
+_COUNTS: dict[str, int] = {"passed": 0, "failed": 0, "xpassed": 0, "skipped": 0}
+_BY_REASON: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Count each test once (on the controller under pytest-xdist too)."""
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        reason = getattr(report, "wasxfail", None)
+        if reason is not None and report.skipped:
+            text = str(reason)
+            kind = next((p for p in REASON_PREFIXES if text.startswith(p)), None)
+            if kind is None:  # "[NOTRUN] ...": listed with run = false
+                text = text.removeprefix("[NOTRUN] ")
+                kind = next((p for p in REASON_PREFIXES if text.startswith(p)), "other")
+                kind = f"{kind.rstrip(': ')} (listed, not run)"
+            _BY_REASON[kind] = _BY_REASON.get(kind, 0) + 1
+        elif reason is not None or str(report.longrepr).startswith("[XPASS(strict)]"):
+            _COUNTS["xpassed"] += 1
+        elif report.passed:
+            _COUNTS["passed"] += 1
+        elif report.skipped:
+            _COUNTS["skipped"] += 1
+        else:
+            _COUNTS["failed"] += 1
+    elif report.when == "teardown" and report.failed:
+        _COUNTS["failed"] += 1
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    deviations = sum(_BY_REASON.values())
+    ran = deviations + _COUNTS["passed"] + _COUNTS["failed"] + _COUNTS["xpassed"]
+    write = terminalreporter.write_line
+    terminalreporter.write_sep("=", "kvtier against vLLM 0.32.0's offloading tests")
+    write(
+        f"ran {ran}: {_COUNTS['passed']} passed, {deviations} expected deviations, "
+        f"{_COUNTS['failed']} failed, {_COUNTS['xpassed']} deviations that now pass; "
+        f"{_COUNTS['skipped']} skipped by vLLM on this platform"
+    )
+    for kind, count in sorted(_BY_REASON.items()):
+        write(f"  {count:4d}  {kind.rstrip(': ')}")
+    for pattern in sorted(_STALE):
+        write(f"stale entry of {DEVIATIONS.name} (it matches no test; remove it): {pattern}")
