@@ -24,6 +24,7 @@ def test_import_does_not_pull_vllm_or_siblings() -> None:
 
 def test_kvtier_is_a_namespace_package() -> None:
     import kvtier
+    import kvtier.blockpool
 
     assert getattr(kvtier, "__file__", None) is None, "kvtier must not ship an __init__.py"
     assert kvtier.blockpool.__version__

@@ -2,15 +2,20 @@
 
 import subprocess
 import sys
-from importlib.metadata import requires
+from importlib.metadata import requires, version
 
 
 def test_vllm_is_an_extra_and_siblings_are_ranges() -> None:
+    from packaging.requirements import Requirement
+
     reqs = requires("kvtier-recompute-connector") or []
     runtime = [r for r in reqs if "extra ==" not in r]
-    assert any(r.startswith("kvtier-blockpool") and "<0.2" in r for r in runtime), runtime
-    assert any(r.startswith("kvtier-npu-copy") and "<0.2" in r for r in runtime), runtime
-    assert any(r.startswith("kvtier-vllm-port") and "<0.2" in r for r in runtime), runtime
+    pins = {req.name: req.specifier for req in map(Requirement, runtime)}
+    for sibling in ("kvtier-blockpool", "kvtier-npu-copy", "kvtier-vllm-port"):
+        spec = pins.get(sibling)
+        assert spec is not None, f"{sibling} is not a dependency: {runtime}"
+        assert {s.operator for s in spec} == {">=", "<"}, f"{sibling}{spec} is not a range"
+        assert spec.contains(version(sibling)), f"{sibling} {version(sibling)} not in {spec}"
     assert not any(r.startswith("vllm") for r in runtime), "vLLM must not be a hard dependency"
     assert any(r.startswith("vllm") and "extra ==" in r and "vllm" in r.split(";")[1] for r in reqs)
 
