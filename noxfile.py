@@ -230,10 +230,15 @@ def _pytest(
     *,
     parallel: bool = False,
 ) -> None:
-    args = list(session.posargs or [])
-    if parallel and TEST_WORKERS not in ("", "0", "1"):
-        args = ["-n", TEST_WORKERS, "--dist", "loadfile", *args]
+    args = [*_workers(), *(session.posargs or [])] if parallel else session.posargs or []
     session.run("pytest", "-p", "no:cacheprovider", *paths, *args, env=env)
+
+
+def _workers() -> list[str]:
+    """pytest-xdist's arguments for TEST_WORKERS processes, a test file to each."""
+    if TEST_WORKERS in ("", "0", "1"):
+        return []
+    return ["-n", TEST_WORKERS, "--dist", "loadfile"]
 
 
 _NO_VLLM = (
@@ -419,7 +424,6 @@ def conformance(session: nox.Session) -> None:
         session,
         ["kvtier-tiering-spec", "kvtier-testkit"],
         *TEST_DEPS,
-        "pytest-xdist>=3",
         "tomli; python_version < '3.11'",  # the plugin reads deviations.toml
         with_vllm=True,
     )  # fmt: skip
@@ -434,7 +438,8 @@ def conformance(session: nox.Session) -> None:
         "pytest", "-p", "no:cacheprovider", "-p", "conformance.vllm_0_32.plugin",
         "-c", str(CONFORMANCE / "pytest.ini"), "--rootdir", str(tree),
         *[str(tree / f) for f in files["run"]],
-        *(session.posargs or ["-n", "2"]),
+        *_workers(),
+        *(session.posargs or []),
         env={
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(tree)]),
             "KVTIER_CONFORMANCE_DIR": str(work),
