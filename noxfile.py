@@ -18,6 +18,7 @@ as that wheel: built, checked to hold the compiled library, installed, tested.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -152,6 +153,23 @@ if bad:
     sys.exit("siblings not installed from the working tree: " + ", ".join(bad))
 print("siblings from the working tree:", ", ".join(sys.argv[1:]))
 """
+
+
+def _disposable(func):  # type: ignore[no-untyped-def]
+    """Under CI (``CI`` set; ``.ci/run`` sets it) each environment is built once and then
+    removed when its session ends, passed or failed: the vLLM environments hold several GB
+    of torch each, and a CI machine's free disk varies from run to run."""
+
+    @functools.wraps(func)
+    def run(session: nox.Session, **params: object) -> None:
+        try:
+            func(session, **params)
+        finally:
+            location = getattr(session.virtualenv, "location", None)
+            if location and os.environ.get("CI"):
+                shutil.rmtree(location, ignore_errors=True)
+
+    return run
 
 
 # vLLM releases the e2e session installs, with the torch each runs on here. The CPU build
@@ -296,7 +314,7 @@ def _make_test_session(pkg: Package) -> None:
     run.__doc__ = f"Run the tests of {pkg.dist}" + (
         ", built and installed as a platform wheel." if pkg.compiled else "."
     )
-    nox.session(name=f"test-{pkg.short}")(run)
+    nox.session(name=f"test-{pkg.short}")(_disposable(run))
 
 
 for _pkg in PACKAGES.values():
@@ -304,6 +322,7 @@ for _pkg in PACKAGES.values():
 
 
 @nox.session
+@_disposable
 def tests(session: nox.Session) -> None:
     """Run every test of every package in one environment (the CI command)."""
     pkgs = list(PACKAGES.values())
@@ -340,6 +359,7 @@ PLUGIN_TESTS = {
 
 @nox.session(default=False)
 @nox.parametrize("vllm", ["0.23.0", "0.32.0"])
+@_disposable
 def e2e(session: nox.Session, vllm: str) -> None:
     """Engine end-to-end tests on one vLLM CPU build, in an environment of its own."""
     install_packages(session, list(E2E_TESTS), *TEST_DEPS, with_vllm=True, vllm_version=vllm)
@@ -350,6 +370,7 @@ def e2e(session: nox.Session, vllm: str) -> None:
 
 @nox.session
 @nox.parametrize("vllm", list(NO_CPU_BUILD))
+@_disposable
 def plugins(session: nox.Session, vllm: str) -> None:
     """Both plugins' import, registration and engine-free tests on a vLLM without a CPU
     build (it cannot run an engine on a CPU)."""
@@ -413,6 +434,7 @@ def extract_members(session: nox.Session, archive: Path, names: list[str], dest:
 
 
 @nox.session
+@_disposable
 def conformance(session: nox.Session) -> None:
     """vLLM 0.32.0's own offloading tests (from its source distribution, unedited)
     against kvtier's manager, specs and connector, through the pytest plugin in
@@ -455,6 +477,7 @@ _HAS_IBVERBS = "import ctypes.util, sys; sys.exit(0 if ctypes.util.find_library(
 
 
 @nox.session
+@_disposable
 def pd(session: nox.Session) -> None:
     """The guide's P/D decode node with vLLM's real MooncakeConnector over TCP (a prefill
     and a decode server on loopback); the tiering spec's store tier against a real
@@ -548,6 +571,7 @@ def build_wheels(session: nox.Session, pkgs: list[Package]) -> dict[str, Path]:
 
 @nox.session
 @nox.parametrize("dist", sorted(PACKAGES))
+@_disposable
 def wheel(session: nox.Session, dist: str) -> None:
     """One package as users install it: its wheel and its siblings' wheels, in an
     environment of its own with only the declared dependencies (no vLLM: it is an
@@ -555,23 +579,17 @@ def wheel(session: nox.Session, dist: str) -> None:
     pkg = PACKAGES[dist]
     pkgs = closure([dist])
     wheels = build_wheels(session, pkgs)
-    try:
-        # torch first, as every session pins it (TORCH: the CPU build vLLM's runs on).
-        if any(_requirement_name(r) == "torch" for p in pkgs for r in p.dependencies):
-            session.install(TORCH)
-        # The siblings as wheel files: pip refuses them unless they satisfy the pins.
-        session.install(*[str(wheels[p.dist]) for p in pkgs])
-        session.run("python", "-m", "pip", "check")
-        if not any(_requirement_name(r) == "vllm" for r in pkg.dependencies):
-            session.run("python", "-c", _NO_VLLM)
-        top = "kvtier." + pkg.short.replace("-", "_")
-        hard = [_requirement_name(r) for r in pkg.dependencies]
-        session.run("python", "-c", _WHEEL_SMOKE, top, *hard)
-    finally:
-        # Seven environments of torch each: give the disk back (CI builds them once).
-        location = getattr(session.virtualenv, "location", None)
-        if location and os.environ.get("CI"):
-            shutil.rmtree(location, ignore_errors=True)
+    # torch first, as every session pins it (TORCH: the CPU build vLLM's runs on).
+    if any(_requirement_name(r) == "torch" for p in pkgs for r in p.dependencies):
+        session.install(TORCH)
+    # The siblings as wheel files: pip refuses them unless they satisfy the pins.
+    session.install(*[str(wheels[p.dist]) for p in pkgs])
+    session.run("python", "-m", "pip", "check")
+    if not any(_requirement_name(r) == "vllm" for r in pkg.dependencies):
+        session.run("python", "-c", _NO_VLLM)
+    top = "kvtier." + pkg.short.replace("-", "_")
+    hard = [_requirement_name(r) for r in pkg.dependencies]
+    session.run("python", "-c", _WHEEL_SMOKE, top, *hard)
 
 
 @nox.session
@@ -589,6 +607,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
+@_disposable
 def typecheck(session: nox.Session) -> None:
     """mypy over every package's src/."""
     install_packages(session, list(PACKAGES), "mypy", "pytest")
