@@ -8,6 +8,11 @@
   releases lives in a module per interface generation that only that generation
   imports; a class whose existence depends on an import-time branch is invisible to
   readers and type checkers.
+* **no vLLM probe outside the port.** Which vLLM runs here is asked of
+  ``kvtier.vllm_port.port`` alone: elsewhere in the plugins (``PLUGINS``) no
+  ``find_spec("vllm...")``, no ``try`` around an import of vLLM, no ``hasattr`` on a
+  name imported from vLLM. (The test kit and the pool's benchmark only ask whether vLLM
+  is installed at all.)
 * **no factory patches.** vLLM's factories (``KVConnectorFactory``,
   ``OffloadingSpecFactory``, ...) are used through what they offer; kvtier never
   assigns to their attributes (``setattr(factory, ...)``, ``Factory.method = ...``).
@@ -35,10 +40,16 @@ FRAME_READ = re.compile(
 )
 FACTORY = re.compile(r"factory", re.IGNORECASE)
 
+PORT = "packages/vllm-port/src/kvtier/vllm_port/port.py"
+PLUGINS = re.compile(r"packages/(recompute-connector|tiering-spec|vllm-port)/")
+# The files each rule reads (every rule: every package's src/).
+SCOPE: dict[str, re.Pattern[str]] = {"vllm probe": PLUGINS}
+
 ALLOWED: dict[str, dict[str, str]] = {
     "frame read": {},
     "class under a branch": {},
     "factory patch": {},
+    "vllm probe": {PORT: "the port: the one module that asks which vLLM runs here"},
 }
 
 
@@ -86,6 +97,46 @@ def _factory_patches(text: str, tree: ast.Module) -> list[int]:
     return sorted(hits)
 
 
+def _is_vllm(module: str | None) -> bool:
+    return bool(module) and (module == "vllm" or str(module).startswith("vllm."))
+
+
+def _imports_vllm(node: ast.AST) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return _is_vllm(node.module)
+    if isinstance(node, ast.Import):
+        return any(_is_vllm(alias.name) for alias in node.names)
+    if isinstance(node, ast.Call) and _names(node.func).endswith("import_module") and node.args:
+        first = node.args[0]
+        return isinstance(first, ast.Constant) and _is_vllm(str(first.value))
+    return False
+
+
+def _vllm_probes(text: str, tree: ast.Module) -> list[int]:
+    hits: set[int] = set()
+    from_vllm: set[str] = set()  # names this file binds to vLLM's modules and classes
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and _is_vllm(node.module):
+            from_vllm.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            from_vllm.update(
+                (a.asname or a.name).split(".")[0] for a in node.names if _is_vllm(a.name)
+            )
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+            _imports_vllm(sub) for stmt in node.body for sub in ast.walk(stmt)
+        ):
+            hits.add(node.lineno)
+        elif isinstance(node, ast.Call) and node.args:
+            name, first = _names(node.func), node.args[0]
+            if name.endswith("find_spec") and isinstance(first, ast.Constant):
+                if _is_vllm(str(first.value)):
+                    hits.add(node.lineno)
+            elif name == "hasattr" and _names(first).split(".")[0] in from_vllm:
+                hits.add(node.lineno)
+    return sorted(hits)
+
+
 RULES: dict[str, tuple[Callable[[str, ast.Module], list[int]], str]] = {
     "frame read": (_frame_reads, "reads the call stack; hand vLLM's objects over explicitly"),
     "class under a branch": (
@@ -95,6 +146,10 @@ RULES: dict[str, tuple[Callable[[str, ast.Module], list[int]], str]] = {
     "factory patch": (
         _factory_patches,
         "assigns to a vLLM factory; register through the factory's own methods",
+    ),
+    "vllm probe": (
+        _vllm_probes,
+        "asks which vLLM runs here outside the port; ask kvtier.vllm_port.port",
     ),
 }
 
@@ -107,6 +162,9 @@ def offences(root: Path) -> dict[str, dict[str, list[int]]]:
         tree = ast.parse(text, filename=str(path))
         name = path.relative_to(root).as_posix()
         for rule, (check, _) in RULES.items():
+            scope = SCOPE.get(rule)
+            if scope is not None and not scope.match(name):
+                continue
             lines = check(text, tree)
             if lines:
                 found[rule][name] = lines
@@ -137,9 +195,10 @@ def self_test() -> None:
         "class under a branch": "import os\nif os.sep:\n    class A:\n        pass\n",
         "factory patch": "from v import KVConnectorFactory\n"
         "setattr(KVConnectorFactory, 'register_connector', print)\n",
+        "vllm probe": "from vllm.v1.kv_offload import base\nNEW = hasattr(base, 'Medium')\n",
     }
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "packages/x/src/kvtier/x"
+        src = Path(tmp) / "packages/tiering-spec/src/kvtier/x"
         src.mkdir(parents=True)
         (src / "clean.py").write_text(
             "import sys\nframe_count = 0  # no sys._getframe here\n"
@@ -150,16 +209,34 @@ def self_test() -> None:
             bad = src / "bad.py"
             bad.write_text(text)
             found = problems(Path(tmp), {})
-            assert len(found) == 1 and found[0].startswith("packages/x/src/kvtier/x/bad.py:"), (
+            assert len(found) == 1 and found[0].startswith(
+                "packages/tiering-spec/src/kvtier/x/bad.py:"
+            ), (
                 rule,
                 found,
             )
             assert RULES[rule][1] in found[0]
-            assert problems(Path(tmp), {rule: {"packages/x/src/kvtier/x/bad.py": "why"}}) == []
+            assert (
+                problems(Path(tmp), {rule: {"packages/tiering-spec/src/kvtier/x/bad.py": "why"}})
+                == []
+            )
             stale = problems(Path(tmp), {rule: {"packages/x/gone.py": "why"}})
             assert any("has none" in line for line in stale), stale
             bad.unlink()
         (src / "attr.py").write_text("import f\nf.OffloadingSpecFactory.get_spec_cls = print\n")
+        assert len(problems(Path(tmp), {})) == 1
+        (src / "attr.py").unlink()
+        for probe in (
+            "try:\n    from vllm.x import Y\nexcept ImportError:\n    Y = None\n",
+            "import importlib.util\nOK = importlib.util.find_spec('vllm.v1.x') is not None\n",
+            "import importlib\ntry:\n    m = importlib.import_module('vllm.x')\n"
+            "except ImportError:\n    m = None\n",
+        ):
+            (src / "probe.py").write_text(probe)
+            assert len(problems(Path(tmp), {})) == 1, probe
+        outside = Path(tmp) / "packages/testkit/src/kvtier/testkit"
+        outside.mkdir(parents=True)
+        (outside / "probe.py").write_text(probe)  # outside the plugins: not a port matter
         assert len(problems(Path(tmp), {})) == 1
 
 

@@ -1,5 +1,5 @@
 """What older vLLM releases read from the connector's stats (how the release is detected:
-kvtier-vllm-port's ``connector_api`` and its tests)."""
+the port of kvtier-vllm-port, ``kvtier.vllm_port.port``, and its tests)."""
 
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ from kvtier.recompute_connector.metrics import (
 from kvtier.recompute_connector.protocol import StepPlan, WorkerReport
 from kvtier.recompute_connector.state import Fallback, KVGroup, RecomputeOffloadScheduler
 from kvtier.recompute_connector.worker import RecomputeOffloadWorker
-from kvtier.vllm_port import connector_api
+from kvtier.vllm_port import port as vllm_port
+from kvtier.vllm_port.facts import KVLayoutFacts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -105,18 +106,7 @@ class RecomputeWorkerMetadata(KVConnectorWorkerMetadata):
 # ---------------------------------------------------------------------- helpers
 
 
-def _layer_page_bytes(kv_cache_config: Any, layer: str) -> int | None:
-    """Bytes of one block of ``layer`` (its KV cache group's page, padding included)."""
-    for group in kv_cache_config.kv_cache_groups:
-        if layer in group.layer_names:
-            spec = group.kv_cache_spec
-            spec = getattr(spec, "kv_cache_specs", {}).get(layer, spec)
-            page = getattr(spec, "page_size_bytes", None)
-            return int(page) if page else None
-    return None
-
-
-def block_placements(kv_cache_config: Any) -> list[tuple[str, int, int, int]] | None:
+def block_placements(kv: KVLayoutFacts) -> list[tuple[str, int, int, int]] | None:
     """Where each layer's blocks lie in vLLM's KV cache allocation, in bytes: per layer
     ``(name, offset of block 0, distance between blocks, bytes of one block)``.
 
@@ -126,50 +116,49 @@ def block_placements(kv_cache_config: Any) -> list[tuple[str, int, int, int]] | 
     allocation as their KV cache, so their blocks can only be found from here. ``None``
     on releases where each ``KVCacheTensor`` is an allocation of its own.
     """
-    tensors = [
-        t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)
-    ]
-    if not tensors or not all(hasattr(t, "layer_stride") for t in tensors):
+    tensors = kv.device_tensors()
+    if not tensors or any(t.placement is None for t in tensors):
         return None
+    pages: dict[str, int | None] = {}  # a layer's page: its (first) group's
+    for g in kv.groups:
+        for layer, page in g.page_bytes.items():
+            pages.setdefault(layer, page)
     out = []
     for t in tensors:
-        layer_stride, block_stride = int(t.layer_stride), int(t.block_stride)
+        placed = t.placement
+        assert placed is not None
+        layer_stride, block_stride = placed.layer_stride, placed.block_stride
         for i, layer in enumerate(t.layers):
-            page = _layer_page_bytes(kv_cache_config, layer)
+            page = pages.get(layer)
             if page is None:
                 page = min(s for s in (layer_stride, block_stride) if s > 0)
-            out.append((str(layer), int(t.offset) + i * layer_stride, block_stride, page))
+            out.append((layer, placed.offset + i * layer_stride, block_stride, page))
     return out
 
 
-def device_block_bytes(kv_cache_config: Any) -> int:
+def device_block_bytes(kv: KVLayoutFacts) -> int:
     """Bytes of one device block over every KV tensor of a rank (one host block)."""
-    num_blocks = int(kv_cache_config.num_blocks)
-    placements = block_placements(kv_cache_config)
-    if placements is not None and num_blocks > 0:
+    placements = block_placements(kv)
+    if placements is not None and kv.num_blocks > 0:
         # Overlaid groups share their bytes: count the union of block 0's runs.
         total, end = 0, -1
         for start, stop in sorted((p[1], p[1] + p[3]) for p in placements):
             total += max(0, stop - max(start, end))
             end = max(end, stop)
         return total
-    tensors = [
-        t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)
-    ]
-    total = sum(int(t.size) for t in tensors)
-    if not tensors or num_blocks <= 0:
+    tensors = kv.device_tensors()
+    if not tensors or kv.num_blocks <= 0:
         raise ValueError("the KV cache config has no device KV tensors to offload")
-    return total // num_blocks
+    return sum(t.size for t in tensors) // kv.num_blocks
 
 
-def block_views(kv_caches: dict[str, Any], kv_cache_config: Any) -> dict[str, Any]:
+def block_views(kv_caches: dict[str, Any], kv: KVLayoutFacts) -> dict[str, Any]:
     """The KV tensors to register with the copy engine: per layer a ``[num_blocks,
     page bytes]`` uint8 view placed as :func:`block_placements` says, or ``kv_caches``
     as vLLM gave them on releases without placements."""
-    placements = block_placements(kv_cache_config)
+    placements = block_placements(kv)
     if placements is None:
         return kv_caches
-    num_blocks = int(kv_cache_config.num_blocks)
     views: dict[str, Any] = {}
     for name, start, stride, page in placements:
         entry = kv_caches.get(name)
@@ -181,11 +170,11 @@ def block_views(kv_caches: dict[str, Any], kv_cache_config: Any) -> dict[str, An
         storage = entry.untyped_storage()
         flat = torch.empty(0, dtype=torch.uint8, device=entry.device)
         flat.set_(storage, 0, (storage.nbytes(),), (1,))
-        views[name] = flat.as_strided((num_blocks, page), (stride, 1), start)
+        views[name] = flat.as_strided((kv.num_blocks, page), (stride, 1), start)
     return views
 
 
-def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
+def kv_groups(kv: KVLayoutFacts) -> list[KVGroup]:
     """The KV cache groups as the scheduler side sees them.
 
     A Mamba group (linear attention's convolution and recurrent state) is kept only in
@@ -194,56 +183,24 @@ def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
     per request restores it. Other modes keep it elsewhere: recomputed.
     """
     groups = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        kind = type(spec).__name__
-        window = getattr(spec, "sliding_window", None)
-        if "Mamba" in kind:
+    for g in kv.groups:
+        if "Mamba" in g.kind:
             state = (
-                getattr(spec, "mamba_cache_mode", None) == "align"
-                and not getattr(spec, "num_speculative_blocks", 0)
-                and not getattr(spec, "num_prefill_checkpoint_blocks", 0)
+                g.mamba_cache_mode == "align"
+                and not g.speculative_blocks
+                and not g.prefill_checkpoint_blocks
             )
-            groups.append(KVGroup(int(spec.block_size), None, state, state=state))
+            groups.append(KVGroup(g.block_size, None, state, state=state))
             continue
-        supported = kind in ("FullAttentionSpec", "SlidingWindowSpec") or (
-            hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size")
+        supported = g.kind in ("FullAttentionSpec", "SlidingWindowSpec") or g.has_heads
+        mirrorable = bool(g.lineage & {"FullAttentionSpec", "SlidingWindowSpec"}) and not (
+            g.lineage & {"ChunkedLocalAttentionSpec"}
         )
-        lineage = {c.__name__ for c in type(spec).__mro__}
-        mirrorable = bool(lineage & {"FullAttentionSpec", "SlidingWindowSpec"}) and not (
-            lineage & {"ChunkedLocalAttentionSpec"}
-        )
-        groups.append(
-            KVGroup(
-                int(spec.block_size),
-                int(window) if window else None,
-                supported,
-                mirrorable=mirrorable,
-            )
-        )
+        groups.append(KVGroup(g.block_size, g.sliding_window, supported, mirrorable=mirrorable))
     return groups
 
 
-def _rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_world_group
-
-        return int(get_world_group().rank)
-    except Exception:
-        return 0
-
-
 # ---------------------------------------------------------------------- the connector
-
-
-def _hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
-    """Tokens per entry of a request's ``block_hashes`` (vLLM hashes at this size)."""
-    try:
-        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-
-        return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
-    except Exception:
-        return int(vllm_config.cache_config.block_size)
 
 
 def _recompute_failed_restores(vllm_config: Any) -> None:
@@ -291,7 +248,12 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if kv_cache_config is None:
             raise ValueError("RecomputeCPUOffloadConnector needs vLLM's kv_cache_config")
-        self.block_bytes = device_block_bytes(kv_cache_config)
+        port = vllm_port.current()
+        facts = port.engine_facts(vllm_config, kv_cache_config)
+        assert facts is not None and facts.kv is not None
+        self._port = port
+        self._kv: KVLayoutFacts = facts.kv
+        self.block_bytes = device_block_bytes(facts.kv)
         self.scheduler: RecomputeOffloadScheduler | None = None
         self.worker: RecomputeOffloadWorker | None = None
         self._local_hits: dict[str, int] = {}
@@ -299,12 +261,12 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # Prefix sharing: the requests the scheduler admitted (for their block hashes).
         self._requests: dict[str, Any] = {}
         self._hash_block_size = 0
-        self._groups = kv_groups(kv_cache_config)
-        self._stats_every_step = not connector_api.binds_kv_cache_manager()
+        self._groups = kv_groups(facts.kv)
+        self._stats_every_step = not port.binds_kv_cache_manager
         # Several KV cache groups: a failed restore can only be reported as a failed
-        # request, which vLLM accepts for restores it waits for (connector_api).
+        # request, which vLLM accepts for restores it waits for (the port says where).
         several_groups = len(self._groups) > 1
-        self._async_restores = several_groups and connector_api.request_level_load_failures()
+        self._async_restores = several_groups and port.request_level_load_failures
         # Sliding-window and state groups retire blocks while a request runs.
         self._refresh_every_step = any(g.sliding_window or g.state for g in self._groups)
         # vLLM 0.32 hands the scheduler side its KV cache manager to read block tables
@@ -332,11 +294,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             )
             if not self.scheduler.supported:
                 kinds = sorted(
-                    {
-                        type(g.kv_cache_spec).__name__
-                        for g, kv in zip(kv_cache_config.kv_cache_groups, self._groups)
-                        if not kv.supported
-                    }
+                    {g.kind for g, kv in zip(facts.kv.groups, self._groups) if not kv.supported}
                 )
                 logger.warning(
                     "kvtier: this model has KV cache groups kvtier cannot keep (%s: a "
@@ -346,8 +304,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     ", ".join(kinds),
                 )
             if self.config.enable_offload_prefix_caching:
-                self._hash_block_size = _hash_block_size(vllm_config, kv_cache_config)
-                hashed = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
+                self._hash_block_size = facts.kv.hash_block_size
+                hashed = facts.block_hash.prefix_caching
                 logger.info(
                     "kvtier: enable_offload_prefix_caching: full blocks with the same "
                     "prefix-cache hash are kept on host once, shared between preempted "
@@ -367,7 +325,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             _recompute_failed_restores(vllm_config)
         else:
             self.worker = RecomputeOffloadWorker(
-                self.config, bytes_per_block=self.block_bytes, rank=_rank(), log=logger
+                self.config, bytes_per_block=self.block_bytes, rank=facts.parallel.rank, log=logger
             )
             self.worker.request_level_loads = self._async_restores
 
@@ -381,8 +339,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker is not None:
-            views = block_views(kv_caches, self._kv_cache_config)
-            self.worker.register_kv_caches(views, self._kv_cache_config.num_blocks)
+            views = block_views(kv_caches, self._kv)
+            self.worker.register_kv_caches(views, self._kv.num_blocks)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker is not None and isinstance(
@@ -421,7 +379,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         failed: set[str] = set()
         if self.worker is not None and self._async_restores:
             finished, failed = self.worker.finished_loads()
-        return connector_api.transfer_results(finished, failed)
+        return self._port.transfer_results(finished, failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker is None:

@@ -76,6 +76,10 @@ def _register() -> bool:
         return False
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as F
 
+    from kvtier.vllm_port.port import select
+
+    select()  # the one vLLM interface generation this process speaks
+
     register_name(F, "register_connector", ALIAS, CONNECTOR_MODULE, CONNECTOR_NAME, take=True)
     other = next((m for m in OTHER_PROVIDERS if installed(m)), None)
     take = upstream_names(other is None, logger, deprecated=OLD_SWITCH)

@@ -85,7 +85,9 @@ def _register() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    from kvtier.tiering_spec import vllm_compat
+    from kvtier.vllm_port.port import select
+
+    port = select()  # the one vLLM interface generation this process speaks
 
     for name, cls in KVTIER_NAMES.items():
         register_name(OffloadingSpecFactory, "register_spec", name, MODULE, cls, take=True)
@@ -111,7 +113,7 @@ def _register() -> None:
             CONNECTOR,
             outcome,
             version,
-            "" if vllm_compat.SPEC_METRICS else ": the connector reports kvtier's metrics",
+            "" if port.spec_metrics else ": the connector reports kvtier's metrics",
         )
     else:
         logger.info(

@@ -119,13 +119,14 @@ def trace_keys(requests: Sequence[TraceRequest]) -> list[list[bytes]]:
 
 def _offloading_config(extra: dict[str, Any], engine_id: str) -> Any:
     """vLLM 0.32's ``OffloadingConfig`` of one KV cache group of 512-token blocks."""
-    try:
-        from vllm.v1.kv_offload import config as c
-    except ImportError:
+    from kvtier.vllm_port.port import current
+
+    if not current().spec_takes_offloading_config:
         raise SystemExit(
             "error: the trace replay drives vLLM 0.32's offloading interfaces "
             "(vllm.v1.kv_offload.config), which this vLLM lacks"
-        ) from None
+        )
+    from vllm.v1.kv_offload import config as c
 
     def build(cls: type, **fields: Any) -> Any:
         names = {f.name for f in dataclasses.fields(cls)}

@@ -12,8 +12,6 @@ with logic lives in those modules and is tested without an engine.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 import os
 import re
@@ -47,6 +45,7 @@ from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
 from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
 from kvtier.tiering_spec.vllm_worker import KvtierOffloadingWorker
 from kvtier.tiering_spec.worker import OffloadTransferWorker
+from kvtier.vllm_port.facts import EngineFacts
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -60,33 +59,13 @@ def _region_name(engine_id: str, rank: int) -> str:
     return f"tiering-{safe}-r{rank}"
 
 
-def _plain(value: Any) -> Any:
-    """``value`` as JSON-serialisable data (dataclasses, enums, dtypes, containers)."""
-    if isinstance(value, enum.Enum):
-        return _plain(value.value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            "type": type(value).__name__,
-            **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)},
-        }
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = [_plain(v) for v in value]
-        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
-    return str(value).removeprefix("torch.")
-
-
-def _tensor_placement(tensor: Any, num_blocks: int) -> Any:
-    """How one ``KVCacheTensor`` places its layers' pages, without what depends on the
-    number of device blocks (it changes with free device memory from one start to the
-    next, and the bytes of a block do not)."""
-    fields = _plain(tensor)
+def _tensor_placement(fields: Any, num_blocks: int) -> Any:
+    """How one ``KVCacheTensor`` (its plain rendering) places its layers' pages, without
+    what depends on the number of device blocks (it changes with free device memory from
+    one start to the next, and the bytes of a block do not)."""
     if not isinstance(fields, dict):
         return fields
-    fields.pop("size", None)
+    fields = {k: v for k, v in fields.items() if k != "size"}  # the facts stay as they are
     # Layer-major tensors step a layer by num_blocks blocks: keep that count in layers.
     span = int(fields.get("block_stride") or 0) * num_blocks
     for name in ("layer_stride", "offset"):
@@ -96,61 +75,44 @@ def _tensor_placement(tensor: Any, num_blocks: int) -> Any:
     return fields
 
 
-def _engine_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+def _engine_fields(facts: EngineFacts) -> dict[str, Any]:
     """What vLLM's configs say about the KV a model computes and how it is keyed: the
     model's config, dtype and overrides, vLLM and its attention backend, the block-hash
     scheme (with a warning where its seed is random) and every KV cache group and tensor."""
-    import vllm
-    from vllm.platforms import current_platform
-
-    mc = vllm_config.model_config
-    hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
-    seed = compat.block_hash_seed(hash_algo)
-    if seed == "random":
+    model, block_hash, kv = facts.model, facts.block_hash, facts.kv
+    assert kv is not None
+    if block_hash.seed == "random":
         logger.warning(
             "kvtier fs tier: vLLM seeds its block hashes (prefix_caching_hash_algo=%s) "
             "with a random value per process, so the files this engine writes are "
             "never found after a restart or by another engine. Set PYTHONHASHSEED to "
             "one value for every engine%s",
-            hash_algo,
-            ", or use prefix_caching_hash_algo=sha256" if compat.FIXED_HASH_SEED else "",
+            block_hash.algo,
+            ", or use prefix_caching_hash_algo=sha256" if block_hash.fixed_seed_default else "",
         )
-    hf_config = mc.hf_config.to_json_string(use_diff=False)
-    draft = vllm_config.speculative_config
-    attention = getattr(vllm_config, "attention_config", None)
+    draft = model.draft
     return {
-        "vllm_version": vllm.__version__,
-        "platform": str(current_platform.device_type),
-        "revision": mc.revision,
-        "quantization": _plain(mc.quantization),
-        "model_dtype": _plain(mc.dtype),
-        "hf_config": xxhash.xxh3_128_hexdigest(hf_config.encode()),
-        "hf_overrides": "fn" if callable(mc.hf_overrides) else _plain(mc.hf_overrides),
-        "load_format": _plain(vllm_config.load_config.load_format),
-        "attention_backend": _plain(getattr(attention, "backend", None)),
-        "speculative": None if draft is None else [_plain(draft.method), str(draft.model)],
-        "block_hash": [hash_algo, seed],
-        "kv_cache_groups": [
-            [list(g.layer_names), _plain(g.kv_cache_spec)] for g in kv_cache_config.kv_cache_groups
-        ],
-        "kv_cache_tensors": [
-            _tensor_placement(t, kv_cache_config.num_blocks)
-            for t in kv_cache_config.kv_cache_tensors
-        ],
+        "vllm_version": facts.vllm_version,
+        "platform": facts.platform,
+        "revision": model.revision,
+        "quantization": model.quantization,
+        "model_dtype": model.dtype,
+        "hf_config": xxhash.xxh3_128_hexdigest(model.hf_config_json.encode()),
+        "hf_overrides": model.hf_overrides,
+        "load_format": model.load_format,
+        "attention_backend": facts.attention_backend,
+        "speculative": None if draft is None else [draft.method, str(draft.model)],
+        "block_hash": [block_hash.algo, block_hash.seed],
+        "kv_cache_groups": [[list(g.layer_names), g.spec] for g in kv.groups],
+        "kv_cache_tensors": [_tensor_placement(t.fields, kv.num_blocks) for t in kv.tensors],
     }
 
 
-def _cached_prefix_unusable(vllm_config: Any) -> str | None:
+def _cached_prefix_unusable(facts: EngineFacts | None) -> str | None:
     """Why this engine cannot be given KV it did not compute itself, or None."""
-    if vllm_config is None:
+    if facts is None:
         return None
-    from vllm.platforms import current_platform
-
-    if (
-        getattr(vllm_config.model_config, "use_mla", False)
-        and current_platform.is_cpu()
-        and not vllm_config.cache_config.enable_prefix_caching
-    ):
+    if facts.model.use_mla and facts.platform_is_cpu and not facts.block_hash.prefix_caching:
         # vLLM's CPU MLA backend computes a prompt on top of cached KV differently from
         # computing it whole (greedy outputs diverge even with vLLM's own prefix cache).
         return (
@@ -172,16 +134,12 @@ def _stand_in_for_vllms_cpu_spec() -> None:
     and ``isinstance`` say yes, and nothing of vLLM's class is inherited. Idempotent; a
     release without that class, or where it is no ABC, is left alone.
     """
-    try:
-        from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VllmCPUSpec
-    except Exception:  # another layout of vLLM's modules: nothing there asks
-        return
-    register = getattr(VllmCPUSpec, "register", None)
-    if not callable(register):
+    vllm_cpu_spec: Any = compat.PORT.vllm_cpu_spec()
+    if vllm_cpu_spec is None:
         return
     for spec in (CPUOffloadingSpec, TieringOffloadingSpec):
-        if not issubclass(spec, VllmCPUSpec):
-            register(spec)
+        if not issubclass(spec, vllm_cpu_spec):
+            vllm_cpu_spec.register(spec)
 
 
 class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
@@ -258,17 +216,13 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
             self.budget_description = "no KV bytes per block known yet"
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
-        # The connector building this spec holds what identifies the model and the KV
-        # layout; only the fs tier's fingerprint needs it.
-        configs: tuple[Any, Any] = compat.engine_configs(self)
-        self.no_loads_reason = _cached_prefix_unusable(configs[0])
-        # Whether requests may carry a LoRA adapter (None: vLLM's config was not found).
-        self.lora_enabled: bool | None = (
-            None if configs[0] is None else getattr(configs[0], "lora_config", None) is not None
-        )
-        if not self.settings.secondary_tiers:
-            configs = (None, None)
-        self._vllm_config, self._kv_cache_config = configs
+        # The connector building this spec hands over the engine's facts: what identifies
+        # the model and the KV layout (only the fs tier's fingerprint needs all of it).
+        facts = compat.engine_facts(self)
+        self.no_loads_reason = _cached_prefix_unusable(facts)
+        # Whether requests may carry a LoRA adapter (None: the facts were not handed over).
+        self.lora_enabled: bool | None = None if facts is None else facts.lora.enabled
+        self._facts = facts if self.settings.secondary_tiers else None
 
     def _can_share_replica(self) -> bool:
         """Whether every rank can map one host region: it must be shared memory, and
@@ -305,12 +259,12 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
             "pcp_size": cfg.parallel.pcp_size,
             "dcp_size": cfg.parallel.dcp_size,
         }
-        vllm_config, kv_cache_config = self._vllm_config, self._kv_cache_config
-        if vllm_config is None or kv_cache_config is None:
+        facts = self._facts
+        if facts is None or facts.kv is None:
             unverified = "vLLM's model and KV cache configs were not found"
         else:
-            ident.update(_engine_fields(vllm_config, kv_cache_config))
-            ident["weights"], unverified = self._weights(vllm_config, digest_cache)
+            ident.update(_engine_fields(facts))
+            ident["weights"], unverified = self._weights(facts, digest_cache)
         if unverified:
             ident["weights"] = ["unverified", secrets.token_hex(16)]
             logger.warning(
@@ -323,21 +277,21 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
             )
         return ident, not unverified
 
-    def _weights(self, vllm_config: Any, digest_cache: str | None) -> tuple[Any, str]:
+    def _weights(self, facts: EngineFacts, digest_cache: str | None) -> tuple[Any, str]:
         """(what identifies the weights, "") or (None, why they cannot be identified)."""
         if self.settings.model_identity is not None:
             return ["model_identity", self.settings.model_identity], ""
-        mc, lc = vllm_config.model_config, vllm_config.load_config
-        load_format = str(_plain(lc.load_format))
+        model = facts.model
+        load_format = str(model.load_format)
         if load_format == "dummy":
             return None, "load_format=dummy draws new random weights at every start"
-        models = [(mc.model, mc.revision)]
-        draft = vllm_config.speculative_config
-        if draft is not None and draft.model and draft.model != mc.model:
-            models.append((draft.model, getattr(draft, "revision", None)))
+        models = [(model.name, model.revision)]
+        draft = model.draft
+        if draft is not None and draft.model and draft.model != model.name:
+            models.append((draft.model, draft.revision))
         weights = []
         for name, revision in models:
-            where = resolve_model_location(name, revision=revision, download_dir=lc.download_dir)
+            where = resolve_model_location(name, revision=revision, download_dir=model.download_dir)
             if where is None:
                 return None, f"the files of {name!r} were not found on this machine"
             try:

@@ -21,8 +21,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector as _VllmOffloadingConnector,
 )
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvtier.tiering_spec import metrics as m
+from kvtier.vllm_port.plugins import registry_of
 
 
 def _kvtier_metric_table(vllm_config: Any) -> dict[str, m.MetricRow]:
@@ -30,11 +32,7 @@ def _kvtier_metric_table(vllm_config: Any) -> dict[str, m.MetricRow]:
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
     name = extra.get("spec_name", "CPUOffloadingSpec")
-    try:
-        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-        from kvtier.vllm_port.plugins import registry_of
-
+    try:  # another plugin's spec, or a module that fails to import: no kvtier metrics
         entry = registry_of(OffloadingSpecFactory).get(name)
         if entry is not None:
             spec_cls = entry()

@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvtier.tiering_spec.config import ConfigError
+from kvtier.vllm_port.port import current as current_port
 
 
 @dataclass(frozen=True)
@@ -121,12 +122,7 @@ def legacy_offloading_config(vllm_config: Any, kv_cache_config: Any) -> LegacyOf
     cache_dtype = vllm_config.cache_config.cache_dtype
     dtype = vllm_config.model_config.dtype if cache_dtype == "auto" else cache_dtype
     events = getattr(vllm_config, "kv_events_config", None)
-    try:
-        from vllm.v1.attention.backends.utils import get_kv_cache_layout
-
-        layout: str | None = str(get_kv_cache_layout())
-    except Exception:
-        layout = None
+    layout = current_port().kv_cache_layout()
     return LegacyOffloadingConfig(
         groups=groups,
         worker_kv_bytes_per_block=kv_bytes // num_blocks if num_blocks > 0 else 0,

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 from kvtier.tiering_spec.config import EVICTION_POLICIES, ConfigError
+from kvtier.vllm_port.port import current as current_port
 
 PolicyFactory = Callable[[int], Any]
 """Builds a policy for a capacity in chunks."""
@@ -24,11 +25,10 @@ PolicyFactory = Callable[[int], Any]
 def _vllm_policy_api() -> tuple[type, Any] | None:
     """vLLM's ``CachePolicy`` base and ``CachePolicyFactory``; None on releases without them."""
     try:
-        from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
-        from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
-    except Exception:
+        port = current_port()
+    except RuntimeError:  # no vLLM here: only kvtier's own policies
         return None
-    return CachePolicy, CachePolicyFactory
+    return port.cache_policy_api()
 
 
 class _Refused:

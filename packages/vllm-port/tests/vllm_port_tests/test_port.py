@@ -1,0 +1,178 @@
+"""The port: one implementation per vLLM interface generation, chosen once; the engine
+facts read from vLLM's configs (the tests that need vLLM skip without it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.vllm_port import facts, port
+
+
+def _release() -> object:
+    vllm = pytest.importorskip("vllm")
+    from packaging.version import Version
+
+    return Version(Version(vllm.__version__).base_version)
+
+
+def test_the_port_imports_without_vllm() -> None:
+    code = (
+        "import sys, kvtier.vllm_port.port, kvtier.vllm_port.facts\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'vllm']\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_generation_implements_the_whole_port() -> None:
+    for generation in port.GENERATIONS:
+        assert not getattr(generation, "__abstractmethods__", None), generation
+        assert issubclass(generation, port.VllmPort)
+        assert generation.generation and generation.releases
+    assert len({g.generation for g in port.GENERATIONS}) == len(port.GENERATIONS)
+
+
+def test_this_vllms_generation_is_chosen_once() -> None:
+    from packaging.version import Version
+
+    release = _release()
+    chosen = port.select()
+    assert port.current() is chosen and port.select() is chosen
+    if release >= Version("0.26"):
+        assert isinstance(chosen, port.OffloadingConfigPort)
+        assert chosen.spec_takes_offloading_config and chosen.worker_api and chosen.spec_metrics
+    else:
+        assert isinstance(chosen, port.LegacyPort)
+        assert not chosen.spec_takes_offloading_config
+    if release >= Version("0.32"):
+        assert chosen.binds_kv_cache_manager and chosen.request_level_load_failures
+        assert chosen.fixed_hash_seed
+        results = chosen.transfer_results({"a"}, {"b"})
+        assert results.finished_recving == {"a"} and results.failed_recving == {"b"}
+    elif release < Version("0.24"):
+        assert not chosen.binds_kv_cache_manager and not chosen.request_level_load_failures
+        assert not chosen.worker_api and not chosen.spec_metrics
+
+
+def test_lookup_answers_are_vllms() -> None:
+    from packaging.version import Version
+
+    release = _release()
+    chosen = port.current()
+    hit, pending, miss = (chosen.lookup_result(x) for x in ("hit", "pending", "miss"))
+    if release >= Version("0.25"):
+        from vllm.v1.kv_offload.base import LookupResult  # type: ignore[attr-defined]
+
+        assert (hit, pending, miss) == (
+            LookupResult.HIT,
+            LookupResult.HIT_PENDING,
+            LookupResult.MISS,
+        )
+    else:
+        assert (hit, pending, miss) == (True, None, False)
+
+
+def test_request_state_is_kept_on_a_context_without_vllms_store() -> None:
+    class Context:  # vLLM 0.23's request context: no get_state / set_state
+        pass
+
+    chosen = port.LegacyPort()  # these methods need no vLLM
+
+    @dataclasses.dataclass
+    class Mark:
+        value: int
+
+    ctx = Context()
+    assert not chosen.keeps_request_state(ctx)
+    assert chosen.request_state(ctx, Mark) is None
+    assert chosen.set_request_state(ctx, Mark(3))
+    assert chosen.request_state(ctx, Mark) == Mark(3)
+    assert chosen.key_positions(ctx, ["k"]) is None
+    assert not chosen.set_request_state(object(), Mark(1))  # no attributes: nothing kept
+
+
+def test_plain_renders_dataclasses_enums_and_sets_stably() -> None:
+    import enum
+
+    class Kind(enum.Enum):
+        A = "a"
+
+    @dataclasses.dataclass
+    class Spec:
+        kind: Kind
+        sizes: frozenset[int]
+        extra: dict[str, object]
+
+    assert facts.plain(Spec(Kind.A, frozenset({3, 1}), {"b": 1, "a": (2,)})) == {
+        "type": "Spec",
+        "kind": "a",
+        "sizes": [1, 3],
+        "extra": {"a": [2], "b": 1},
+    }
+    torch = pytest.importorskip("torch")
+    assert facts.plain(torch.float16) == "float16"
+
+
+def test_engine_facts_come_from_vllms_configs(tmp_path: object) -> None:
+    pytest.importorskip("vllm")
+    testkit = pytest.importorskip("kvtier.testkit")
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    model = testkit.make_tiny_llama()  # type: ignore[attr-defined]
+    vllm_config = EngineArgs(
+        model=str(model), enforce_eager=True, dtype="float32", block_size=32
+    ).create_engine_config()
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    page = spec.page_size_bytes
+    if "layer_stride" in {f.name for f in dataclasses.fields(KVCacheTensor)}:  # vLLM 0.32
+        tensors = [
+            KVCacheTensor(size=page * 16, layers=layers, layer_stride=page * 8, block_stride=page)
+        ]
+    else:  # one allocation per layer
+        tensors = [KVCacheTensor(size=page * 8, shared_by=[x]) for x in layers]
+    kv_cache_config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)],
+    )
+    got = port.current().engine_facts(vllm_config, kv_cache_config)
+    assert got is not None and got.kv is not None
+    assert got.model.name == str(model) and got.model.dtype == "float32"
+    assert got.platform_is_cpu and got.parallel.world_size == 1 and not got.lora.enabled
+    assert got.block_hash.algo == str(vllm_config.cache_config.prefix_caching_hash_algo)
+    (group,) = got.kv.groups
+    assert group.layer_names == tuple(layers) and group.kind == "FullAttentionSpec"
+    assert group.has_heads and group.block_size == 32
+    assert set(group.page_bytes.values()) == {spec.page_size_bytes}
+    assert got.kv.num_blocks == 8 and got.kv.hash_block_size == 32
+    placed = [t.placement for t in got.kv.tensors]
+    if len(tensors) == 1:
+        assert placed == [facts.KVPlacement(0, page * 8, page)]
+    else:
+        assert placed == [None, None]
+    assert port.current().engine_facts(None, kv_cache_config) is None
+
+
+def test_no_supported_vllm_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Nothing(port.LegacyPort):
+        @classmethod
+        def serves(cls) -> bool:
+            return False
+
+    monkeypatch.setattr(port, "GENERATIONS", (Nothing,))
+    monkeypatch.setattr(port, "_selected", [])
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.23 and later"):
+        port.current()
+    assert not port._module_exists("kvtier_no_such_package.sub")
