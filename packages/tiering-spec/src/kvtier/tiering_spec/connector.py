@@ -73,7 +73,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # vLLM's constructor builds the spec: hand it this engine's configs explicitly.
         given = _BASE_INIT.bind_partial(self, *args, **kwargs).arguments
-        with compat.building_spec(given.get("vllm_config"), given.get("kv_cache_config")):
+        with compat.PORT.building_spec(given.get("vllm_config"), given.get("kv_cache_config")):
             super().__init__(*args, **kwargs)
         self._kvtier_worker_spec: _KvtierSpec | None = None
         self._kvtier_manager: KvtierOffloadingManager | None = None
@@ -122,7 +122,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         if worker is None or not self._fail_requests:
             return super().get_finished(finished_req_ids)
         # vLLM forgets a load job's request once it reports the job finished.
-        requests = dict(compat.load_job_requests(self))
+        requests = dict(compat.PORT.load_job_requests(self))
         finished = super().get_finished(finished_req_ids)
         for job_id in worker.take_failed_loads():
             req_id = requests.get(job_id)
@@ -166,7 +166,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         failed = getattr(meta, "failed_store_jobs", None)
         if failed and self._kvtier_manager is not None:
             for job_id in failed:
-                keys = compat.store_job_keys(self, job_id)
+                keys = compat.PORT.store_job_keys(self, job_id)
                 if keys is not None:
                     # Dropped now; vLLM's completion of the job then finds nothing stored.
                     self._kvtier_manager.fail_store(keys)

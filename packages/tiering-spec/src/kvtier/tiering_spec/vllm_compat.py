@@ -69,18 +69,8 @@ ConnectorBase: type = importlib.import_module(
 # vLLM's worker metadata class, or None on a release without one.
 WorkerMetadataBase: type | None = PORT.worker_metadata_base()
 
-transfer_result = PORT.transfer_result
-building_spec = PORT.building_spec
+# Specs as this vLLM's OffloadingConnector builds them (tools and tests build them so).
 create_spec = PORT.create_spec
-block_hash_seed = PORT.block_hash_seed
-offloading_event = PORT.offloading_event
-cache_hit_source = PORT.cache_hit_source
-keeps_request_state = PORT.keeps_request_state
-request_state = PORT.request_state
-set_request_state = PORT.set_request_state
-key_positions = PORT.key_positions
-load_job_requests = PORT.load_job_requests
-store_job_keys = PORT.store_job_keys
 
 
 def engine_facts(spec: Any) -> EngineFacts | None:
@@ -88,7 +78,7 @@ def engine_facts(spec: Any) -> EngineFacts | None:
 
     vLLM 0.26 and later hand a spec only an ``OffloadingConfig``, which names the model
     by its path alone; kvtier's connector hands the facts over while it builds the spec
-    (:func:`building_spec`). A spec built outside it (vLLM's own connector, an offline
+    (``PORT.building_spec``). A spec built outside it (vLLM's own connector, an offline
     replay) gets None: its fs tier's fingerprint is then unverified, as the start-up
     log says. Older releases hand the spec the engine's configs themselves.
     """

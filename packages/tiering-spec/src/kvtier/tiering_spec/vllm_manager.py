@@ -107,7 +107,7 @@ class KvtierOffloadingManager(OffloadingManager):
         """Whether the request may read and write the secondary (persistent) tiers."""
         if not self.core.secondary_tiers:
             return True
-        mark = compat.request_state(req_context, _RequestTiers)
+        mark = compat.PORT.request_state(req_context, _RequestTiers)
         if mark is not None:
             return mark.secondary
         if self.spec.lora_enabled is False:
@@ -128,7 +128,7 @@ class KvtierOffloadingManager(OffloadingManager):
             logger.warning(msg, *args)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        return compat.cache_hit_source(self.core.load_source(key))
+        return compat.PORT.cache_hit_source(self.core.load_source(key))
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         blocks = self.core.prepare_load(list(keys))
@@ -141,25 +141,25 @@ class KvtierOffloadingManager(OffloadingManager):
     def _request_reuse(req_context: ReqContext) -> _RequestReuse | None:
         """The request's record for :meth:`on_request_finished`; None before vLLM 0.32
         (no request state: the connector calls touch itself) or once it finished."""
-        if not compat.keeps_request_state(req_context):
+        if not compat.PORT.keeps_request_state(req_context):
             return None
-        state = compat.request_state(req_context, _RequestReuse)
+        state = compat.PORT.request_state(req_context, _RequestReuse)
         if state is None:
             state = _RequestReuse()
-            compat.set_request_state(req_context, state)
+            compat.PORT.set_request_state(req_context, state)
         return None if state.finished else state
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Order every key the request stored or reused so that its prefix's tail goes
         first and its head last (as vLLM 0.32 does); only reused keys count as a use."""
-        if not compat.keeps_request_state(req_context):
+        if not compat.PORT.keeps_request_state(req_context):
             return
-        state = compat.request_state(req_context, _RequestReuse)
+        state = compat.PORT.request_state(req_context, _RequestReuse)
         if state is None or state.finished:
             return
         state.finished = True
         keys = list(state.keys)
-        ends = compat.key_positions(req_context, keys)
+        ends = compat.PORT.key_positions(req_context, keys)
         if ends is not None and None not in ends:  # each key's place in the prompt
             keys = [k for _, k in sorted(zip(ends, keys), key=lambda e: e[0])]
         if keys:
@@ -205,7 +205,7 @@ class KvtierOffloadingManager(OffloadingManager):
         arriving, self._arriving = self._arriving, None
         if arriving is not None and arriving[0] == req_context.req_id:
             has_lora = arriving[1]
-            compat.set_request_state(req_context, _RequestTiers(secondary=not has_lora))
+            compat.PORT.set_request_state(req_context, _RequestTiers(secondary=not has_lora))
             if has_lora and self.core.secondary_tiers:
                 self._log_once(
                     "lora",
@@ -217,10 +217,10 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self.core.pool.take_events():
-            yield compat.offloading_event(list(event.keys), event.kind == "removed")
+            yield compat.PORT.offloading_event(list(event.keys), event.kind == "removed")
         for tier in self.core.secondary_tiers:
             for removed, keys in tier.take_events():
-                yield compat.offloading_event(
+                yield compat.PORT.offloading_event(
                     list(keys), removed, tier=tier.name, locality=tier.locality
                 )
 

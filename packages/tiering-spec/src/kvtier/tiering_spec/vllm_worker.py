@@ -108,7 +108,7 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
                     self._failed_loads[job_id] = device_ids
                 else:
                     self._failed_stores.append(job_id)
-            results.append(compat.transfer_result(job_id, ok, nbytes, seconds))
+            results.append(compat.PORT.transfer_result(job_id, ok, nbytes, seconds))
         return results
 
     def take_failed_loads(self) -> dict[int, list[int]]:

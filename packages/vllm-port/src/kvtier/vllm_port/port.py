@@ -403,13 +403,10 @@ class OffloadingConfigPort(VllmPort):
         return cast(type, _offload_base().OffloadingWorker)
 
     def transfer_result(self, job_id: int, success: bool, nbytes: int, seconds: float) -> Any:
-        return _offload_base().TransferResult(
-            job_id=job_id, success=success, transfer_size=nbytes, transfer_time=seconds
-        )
+        return _transfer_result(_offload_base(), job_id, success, nbytes, seconds)
 
     def lookup_result(self, found: str) -> Any:
-        result = _offload_base().LookupResult
-        return {"hit": result.HIT, "pending": result.HIT_PENDING}.get(found, result.MISS)
+        return _lookup(_offload_base().LookupResult, found)
 
 
 class LegacyPort(VllmPort):
@@ -454,14 +451,12 @@ class LegacyPort(VllmPort):
             if self.worker_api
             else importlib.import_module("vllm.v1.kv_offload.worker.worker")
         )
-        return module.TransferResult(
-            job_id=job_id, success=success, transfer_size=nbytes, transfer_time=seconds
-        )
+        return _transfer_result(module, job_id, success, nbytes, seconds)
 
     def lookup_result(self, found: str) -> Any:
         result = getattr(_offload_base(), "LookupResult", None)
         if result is not None:  # 0.25
-            return {"hit": result.HIT, "pending": result.HIT_PENDING}.get(found, result.MISS)
+            return _lookup(result, found)
         return {"hit": True, "pending": None}.get(found, False)
 
 
@@ -498,6 +493,17 @@ def current() -> VllmPort:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _transfer_result(module: Any, job_id: int, ok: bool, nbytes: int, seconds: float) -> Any:
+    return module.TransferResult(
+        job_id=job_id, success=ok, transfer_size=nbytes, transfer_time=seconds
+    )
+
+
+def _lookup(result: Any, found: str) -> Any:
+    """``found`` as a member of vLLM's ``LookupResult`` enum ``result``."""
+    return {"hit": result.HIT, "pending": result.HIT_PENDING}.get(found, result.MISS)
 
 
 def _module_exists(name: str) -> bool:
