@@ -68,7 +68,9 @@ _BUILDING: contextvars.ContextVar[EngineFacts | None] = contextvars.ContextVar(
 )
 
 
+@functools.cache
 def _offload_base() -> Any:
+    # Kept: the manager's lookups, events and the worker's results ask for it per call.
     return importlib.import_module("vllm.v1.kv_offload.base")
 
 
@@ -503,7 +505,12 @@ def _transfer_result(module: Any, job_id: int, ok: bool, nbytes: int, seconds: f
 
 def _lookup(result: Any, found: str) -> Any:
     """``found`` as a member of vLLM's ``LookupResult`` enum ``result``."""
-    return {"hit": result.HIT, "pending": result.HIT_PENDING}.get(found, result.MISS)
+    return _lookup_table(result).get(found, result.MISS)
+
+
+@functools.cache
+def _lookup_table(result: Any) -> dict[str, Any]:
+    return {"hit": result.HIT, "pending": result.HIT_PENDING}
 
 
 def _module_exists(name: str) -> bool:
