@@ -19,7 +19,7 @@ deleted at run time is made again; a cache reset and a shutdown wait for hung fs
 a bounded time, count the timeout as a fault, and never hand out a host block that a
 late read may still fill; a transfer the copy engine refuses is recomputed, not fatal.
 
-Item 6, replicated KV kept once: test_replicated (engine-free) and test_e2e's TP 2 run
+Item 6, replicated KV kept once: test_replicated (engine-free) and test_e2e_tp2's TP 2 run
 of an MLA model. Item 7, the fs tier's CPU cost: ``nox -s bench-tiering`` prints its bar.
 
 Item 5, configuration: unknown keys are named in a warning; strings are refused where

@@ -1,6 +1,6 @@
 """KV that vLLM reports replicated across tensor-parallel ranks (MLA): the host and fs
 tiers keep one copy, which rank 0 stores and every rank loads. Engine-free; the TP 2
-run with an MLA model is in test_e2e."""
+run with an MLA model is in test_e2e_tp2."""
 
 from __future__ import annotations
 

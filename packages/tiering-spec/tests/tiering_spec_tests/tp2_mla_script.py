@@ -1,7 +1,7 @@
 """Tensor parallel 2 with an MLA model on vLLM's CPU platform: the KV is replicated
 across the ranks, so the host and fs tiers keep one copy; and since vLLM's CPU MLA
 backend computes differently on top of cached KV, kvtier loads nothing there (run by
-test_e2e in a subprocess).
+test_e2e_tp2 in a subprocess).
 
 Usage: VLLM_CPU_OMP_THREADS_BIND='0|1' python -m tiering_spec_tests.tp2_mla_script ROOT_DIR
 (with the tests folder on PYTHONPATH)

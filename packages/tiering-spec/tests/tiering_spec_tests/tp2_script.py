@@ -1,4 +1,4 @@
-"""Tensor parallel 2 on vLLM's CPU platform (run by test_e2e in a subprocess).
+"""Tensor parallel 2 on vLLM's CPU platform (run by test_e2e_tp2 in a subprocess).
 
 Usage: VLLM_CPU_OMP_THREADS_BIND='0|1' python -m tiering_spec_tests.tp2_script ROOT_DIR
 (with the tests folder on PYTHONPATH)
