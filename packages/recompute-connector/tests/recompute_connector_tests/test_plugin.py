@@ -1,9 +1,12 @@
-"""Registration through vLLM's plugin entry point: idempotent, never raising."""
+"""Registration through vLLM's plugin entry point: idempotent, never raising.
+
+Each registration runs in a process of its own, forked from one that has imported vLLM
+and nothing of kvtier (``run_python``): the state under test, vLLM's factories and
+kvtier's plugin, is as new in each as in a new interpreter."""
 
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 from importlib.metadata import entry_points
 from typing import Any
@@ -11,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvtier.recompute_connector import plugin
-from kvtier.testkit import requires_vllm, script_env
+from kvtier.testkit import requires_vllm, run_python, script_env
 
 
 def test_entry_point_is_declared_for_vllm_general_plugins() -> None:
@@ -32,7 +35,7 @@ def test_register_twice_is_fine_and_the_factory_knows_the_connector() -> None:
         "cls = KVConnectorFactory.get_connector_class_by_name('RecomputeCPUOffloadConnector')\n"
         "assert cls.__name__ == 'RecomputeCPUOffloadConnector', cls\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = run_python(code)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -86,12 +89,8 @@ KVTIER = "kvtier.recompute_connector.connector"
 def coexist(
     order: str, providers: tuple[str, ...] = STANDIN, **env: str
 ) -> tuple[dict[str, str], str]:
-    result = subprocess.run(
-        [sys.executable, "-c", COEXIST.format(order=order, providers=providers)],
-        capture_output=True,
-        text=True,
-        env=script_env(__file__, env),
-        timeout=300,
+    result = run_python(
+        COEXIST.format(order=order, providers=providers), script_env(__file__, env), timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
     # vLLM's logging setup may print log lines to stdout as well.

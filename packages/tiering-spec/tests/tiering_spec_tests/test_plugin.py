@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
+from kvtier.testkit import run_python
 from kvtier.tiering_spec import plugin
 
 from .vllm_configs import spec_without_engine as make_spec
@@ -57,15 +57,12 @@ def test_upstream_names_are_overridden_only_where_vllms_cannot_run(
 
 
 def run_py(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a process of its own, forked from one that has imported vLLM and
+    nothing of kvtier: vLLM's factories and kvtier's plugin are as new as in a new
+    interpreter."""
     import os
 
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=300,
-    )
+    return run_python(code, {**os.environ, **env}, timeout=300)
 
 
 def printed(out: subprocess.CompletedProcess[str]) -> list[str]:

@@ -60,7 +60,7 @@ from kvtier.testkit.model import (
     read_spec,
     special_token_ids,
 )
-from kvtier.testkit.scripts import run_script, script_env, tests_root
+from kvtier.testkit.scripts import run_python, run_script, script_env, tests_root
 
 __all__ = [
     "ENV_MODEL_DIR",
@@ -101,6 +101,7 @@ __all__ = [
     "metric_values",
     "read_spec",
     "requires_vllm",
+    "run_python",
     "run_script",
     "run_with",
     "run_workload",
