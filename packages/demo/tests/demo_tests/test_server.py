@@ -1,6 +1,12 @@
 """The way users run vLLM: ``vllm serve`` with the guides' ``--kv-transfer-config``, and an
-OpenAI client sending concurrent requests. Greedy completions must equal those of a server
-without kvtier, and kvtier's figures must show on the server's ``/metrics``.
+OpenAI client sending concurrent requests. Greedy completions must equal vLLM's alone, and
+kvtier's figures must show on the server's ``/metrics``.
+
+vLLM alone is the same engine (the same arguments as the server's command line) run
+in-process on the same prompts: greedy decoding gives the same tokens however requests
+are batched, which is what every engine test here relies on, and a server of its own
+for the reference only cost two more `vllm serve` start-ups per test. The server under
+test runs its engine in a process of its own, as `vllm serve` does by default.
 
 The configurations are the guides' JSON with one change: host budgets sized for this
 machine (the guides reserve 8 and 16 GiB).
@@ -16,7 +22,14 @@ from typing import Any
 
 import pytest
 
-from kvtier.testkit import requires_vllm
+from kvtier.testkit import (
+    FORCED_PREEMPTION_ENGINE,
+    PREFIX_ENGINE,
+    Workload,
+    WorkloadResult,
+    requires_vllm,
+    run_with,
+)
 from kvtier.testkit.server import VllmServer, kv_transfer_arg, prometheus_values
 
 pytestmark = [pytest.mark.e2e, requires_vllm]
@@ -25,6 +38,11 @@ COMMON = ["--dtype", "float32", "--enforce-eager", "--block-size", "32", "--seed
           "--max-model-len", "256", "--gpu-memory-utilization", "0.2"]  # fmt: skip
 PREEMPTION = [*COMMON, "--num-gpu-blocks-override", "16", "--max-num-seqs", "16"]
 PREFIX = [*COMMON, "--num-gpu-blocks-override", "12", "--max-num-seqs", "2"]
+# The same engines in-process, for vLLM alone (the testkit's recipes are these flags).
+ALONE = {
+    "preemption": {**FORCED_PREEMPTION_ENGINE, "seed": 0},
+    "prefix": {**PREFIX_ENGINE, "seed": 0, "gpu_memory_utilization": 0.2},
+}
 
 # The guide's online-serving example for the recompute connector (decode node), with a
 # host budget of 256 MiB per rank instead of 16 GiB.
@@ -92,11 +110,22 @@ def complete_all(
         return list(pool.map(one, prompts))
 
 
+def vllm_alone(
+    model: Path, engine: str, prompts: list[list[int]], max_tokens: int
+) -> WorkloadResult:
+    """Greedy outputs of vLLM alone: the server's engine, in this process."""
+    workload = Workload(tuple(tuple(p) for p in prompts), max_tokens)
+    result, _ = run_with(model, workload, **ALONE[engine])
+    return result
+
+
 def serve_and_complete(
     model: Path, args: list[str], prompts: list[list[int]], max_tokens: int, workers: int
 ) -> tuple[list[list[int]], str, str]:
     """Start a server, complete the prompts, return outputs, /metrics text and the log."""
-    with VllmServer(model, args) as server:
+    # Its engine in a process of its own (vLLM's default), whatever in-process engines
+    # this pytest process made before.
+    with VllmServer(model, args, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) as server:
         outputs = complete_all(server, model, prompts, max_tokens, workers)
         return outputs, server.metrics(), server.log_text()
 
@@ -107,13 +136,14 @@ def total(metrics: str, name: str) -> float:
 
 def assert_same(expected: list[list[int]], actual: list[list[int]]) -> None:
     differ = [i for i, (a, b) in enumerate(zip(expected, actual)) if a != b]
-    assert not differ, f"requests {differ} differ from the server without kvtier"
+    assert not differ, f"requests {differ} differ from vLLM alone"
 
 
 def test_recompute_connector_through_vllm_serve(tiny_model: Path) -> None:
     prompts = random_prompts(16, 40, seed=0)
-    expected, plain_metrics, _ = serve_and_complete(tiny_model, PREEMPTION, prompts, 200, 16)
-    assert total(plain_metrics, "vllm:num_preemptions_total") > 0, "the workload must preempt"
+    alone = vllm_alone(tiny_model, "preemption", prompts, 200)
+    assert alone.preemptions > 0, "the workload must preempt"
+    expected = alone.outputs
     actual, metrics, log = serve_and_complete(
         tiny_model, PREEMPTION + RECOMPUTE_ARGS, prompts, 200, 16
     )
@@ -126,7 +156,7 @@ def test_recompute_connector_through_vllm_serve(tiny_model: Path) -> None:
 
 def test_tiering_spec_through_vllm_serve(tiny_model: Path, tmp_path: Path) -> None:
     prompts = prefix_prompts()
-    expected, _, _ = serve_and_complete(tiny_model, PREFIX, prompts, 8, 2)
+    expected = vllm_alone(tiny_model, "prefix", prompts, 8).outputs
     args = PREFIX + kv_transfer_arg(tiering_config(tmp_path / "kv"))
     actual, metrics, _ = serve_and_complete(tiny_model, args, prompts, 8, 2)
     assert_same(expected, actual)
