@@ -334,10 +334,10 @@ def install_vllm(session: nox.Session, version: str | None = None) -> None:
 
 def _write_bytecode(session: nox.Session) -> None:
     """Let every process of the session keep the bytecode of what it imports, under the
-    environment's own folder. uv installs no ``.pyc`` files, and a machine with
-    ``PYTHONDONTWRITEBYTECODE`` set (as CI's is) then compiles torch and vLLM from source
-    in every process that imports them: 21 s to import vLLM's engine core on CI's machine,
-    10 s with the bytecode kept, and each engine test starts several such processes."""
+    environment's own folder. uv installs no ``.pyc`` files, and where
+    ``PYTHONDONTWRITEBYTECODE`` is set (our 2-core machines set it) every process then
+    compiled torch and vLLM from source: 21 s to import vLLM's engine core there, 10 s with
+    the bytecode kept, and the engine tests start dozens of such processes."""
     location = getattr(session.virtualenv, "location", None)
     if not location:
         return
@@ -357,7 +357,8 @@ def install_packages(
     a package named in ``wheels`` from that wheel file instead of its folder."""
     pkgs = closure(dists)
     wheels = wheels or {}
-    _write_bytecode(session)
+    if with_vllm:  # a few processes that import torch alone gain less than they compile
+        _write_bytecode(session)
     if with_vllm:
         install_vllm(session, vllm_version)
     else:
@@ -539,7 +540,7 @@ def plugins(session: nox.Session, vllm: str) -> None:
     install_packages(session, list(PLUGIN_TESTS), *TEST_DEPS, with_vllm=True, vllm_version=vllm)
     session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)")
     paths = [str(PACKAGES[d].folder / t) for d, tests in PLUGIN_TESTS.items() for t in tests]
-    _pytest(session, paths)
+    _pytest(session, paths, parallel=True)
 
 
 CONFORMANCE = ROOT / "conformance" / "vllm_0_32"
