@@ -359,7 +359,6 @@ def install_packages(
     wheels = wheels or {}
     if with_vllm:  # a few processes that import torch alone gain less than they compile
         _write_bytecode(session)
-    if with_vllm:
         install_vllm(session, vllm_version)
     else:
         session.install(TORCH)
