@@ -105,10 +105,12 @@ def _uses_uv(session: nox.Session) -> bool:
 
 
 def _pip(session: nox.Session, *args: str, **kwargs: object) -> object:
-    """``pip ARGS`` in the session's environment: uv's pip interface where uv made it."""
+    """``pip ARGS`` in the session's environment: uv's pip interface where uv made it.
+    It runs under ``--install-only`` too: removing vLLM's unused packages is part of
+    the install (a reused environment got torchvision back otherwise)."""
     if _uses_uv(session):
-        return session.run("uv", "pip", *args, **kwargs)  # type: ignore[arg-type]
-    return session.run("python", "-m", "pip", *args, **kwargs)  # type: ignore[arg-type]
+        return session.run_install("uv", "pip", *args, **kwargs)  # type: ignore[arg-type]
+    return session.run_install("python", "-m", "pip", *args, **kwargs)  # type: ignore[arg-type]
 
 
 def _build_wheel(session: nox.Session, folder: Path, out: Path, **kwargs: object) -> None:
