@@ -886,6 +886,19 @@ def bench_e2e(session: nox.Session) -> None:
     )  # fmt: skip
 
 
+@nox.session(name="bench-step")
+def bench_step(session: nox.Session) -> None:
+    """CPU time each connector adds to an engine step (scheduler side, worker side),
+    beside vLLM's own scheduler and vLLM's own OffloadingConnector (a few minutes)."""
+    install_packages(session, ["kvtier-demo"], with_vllm=True)
+    out = ROOT / "out"
+    out.mkdir(exist_ok=True)
+    session.run(
+        "python", "-m", "kvtier.demo.bench_step", "--json", str(out / "bench-step.json"),
+        *session.posargs,
+    )  # fmt: skip
+
+
 @nox.session(name="bench-trace")
 def bench_trace(session: nox.Session) -> None:
     """A window of Mooncake's conversation trace through `vllm serve` on the 16-layer

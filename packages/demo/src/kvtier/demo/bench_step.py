@@ -1,0 +1,667 @@
+"""Step-cost benchmark: what each KV connector adds to every engine step, in CPU time.
+
+    python -m kvtier.demo.bench_step [--json out.json] [--only WORKLOAD ...]
+                                     [--connectors NAME ...] [--repeat N]
+
+On an NPU or GPU a decode step lasts a few milliseconds, and a connector's Python work
+is paid on that step's critical path: the scheduler side between two forwards, the
+worker side around each forward. This program measures that work on vLLM's CPU
+platform, where the forward is slow but the Python work is the same as on an
+accelerator. Each engine runs in this process; every scheduler-side and worker-side
+method of the connector is timed with the calling thread's CPU time
+(``time.thread_time_ns``), so copies that run on the copy engine's threads (an
+accelerator's DMA) are left out, and the figures hold on a busy machine.
+
+Per step it records vLLM's own scheduler cost (``schedule`` plus ``update_from_output``
+less the connector's calls inside them), the connector's scheduler side and its worker
+side, and gives the median and p90 over the steps that scheduled work.
+
+Connectors (``--connectors``):
+
+* ``none``: vLLM alone;
+* ``vllm``: vLLM's own ``OffloadingConnector`` with vLLM's own ``CPUOffloadingManager``
+  (the anchor); its worker completes every transfer at once and copies nothing (vLLM's
+  copy worker runs only on CUDA and XPU; the scheduler side is vLLM's code unchanged);
+* ``kvtier-host``: kvtier's ``CPUOffloadingSpec`` (host tier, room for every block);
+* ``kvtier-fs``: kvtier's ``TieringOffloadingSpec``, a host tier that holds about a
+  quarter of the workload's blocks in front of an ``fs`` tier;
+* ``recompute``: kvtier's ``RecomputeCPUOffloadConnector``.
+
+Workloads (``--only``): ``room-8``, ``room-64``, ``room-256`` (that many requests
+running at once, room for all on the device: the cost when nothing needs moving),
+``prefix-N`` (prefixes asked again after the device cache dropped them: lookups,
+loads) and ``preempt-N`` (too few device blocks: preemptions), N in 8, 64, 256.
+
+Prints a table per workload, the five costliest kvtier methods in µs per call, the goals
+with their measured values, and the share of a 15 ms and a 30 ms accelerator step each
+connector takes; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# A tiny model: the forward is cheap, so the scheduler's work is what a step shows.
+MODEL_SHAPE: dict[str, int] = {"layers": 2, "hidden": 128, "heads": 2, "head_dim": 64}
+BLOCK_TOKENS = 32
+ENGINE: dict[str, Any] = {
+    "block_size": BLOCK_TOKENS,
+    "enforce_eager": True,
+    "dtype": "float32",
+    "disable_log_stats": False,
+    "gpu_memory_utilization": 0.2,
+    "max_model_len": 1024,
+    "max_num_batched_tokens": 8192,
+    "seed": 0,
+}
+ACCELERATOR_STEPS_MS = (15.0, 30.0)
+
+# Scheduler-side and worker-side methods of vLLM's KV connector API (v1), as vLLM's
+# scheduler and model runner call them. Calls nested inside another are not counted twice.
+SCHEDULER_METHODS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
+    "on_new_request",
+    "has_pending_work",
+    "get_finished_count",
+    "get_external_cache_hit_sources",
+    "on_schedule_end",
+)
+WORKER_METHODS = (
+    "handle_preemptions",
+    "bind_connector_metadata",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",
+    "clear_connector_metadata",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+    "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
+)
+# The offloading manager's API (vLLM's OffloadingManager): timed in the breakdown only.
+MANAGER_METHODS = (
+    "lookup",
+    "prepare_load",
+    "touch",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "take_events",
+    "on_schedule_end",
+    "on_request_finished",
+    "on_new_request",
+    "get_stats",
+    "has_pending_work",
+    "get_load_source",
+)
+
+
+# -- vLLM's own connector with its own manager (the anchor) -----------------------------
+
+
+def _anchor_spec_class() -> type:
+    """vLLM's ``CPUOffloadingSpec`` with a worker that copies nothing: vLLM's worker
+    refuses to start on its CPU platform, and the anchor is its scheduler side."""
+    from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    class InstantWorker(OffloadingWorker):
+        def __init__(self) -> None:
+            self._done: list[Any] = []
+
+        def submit_store(self, job_id: int, *args: Any, **kwargs: Any) -> bool:
+            self._done.append(TransferResult(job_id=job_id, success=True))
+            return True
+
+        def submit_load(self, job_id: int, *args: Any, **kwargs: Any) -> bool:
+            self._done.append(TransferResult(job_id=job_id, success=True))
+            return True
+
+        def get_finished(self) -> list[Any]:
+            done, self._done = self._done, []
+            return done
+
+        def wait(self, job_ids: set[int]) -> None:
+            return None
+
+    class VllmCPUOffloadingSpec(CPUOffloadingSpec):
+        def get_worker(self, kv_caches: Any) -> Any:
+            if self._worker is None:
+                self._worker = InstantWorker()
+            return self._worker
+
+    return VllmCPUOffloadingSpec
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM's offloading factory loads the anchor's spec by module path and class name.
+    if name == "VllmCPUOffloadingSpec":
+        cls = _anchor_spec_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+ANCHOR_CONNECTOR = "VllmOffloadingConnector"
+
+
+def _register_anchor_connector() -> None:
+    """vLLM's own ``OffloadingConnector`` under a name of its own: kvtier's plugin puts
+    its subclass under vLLM's name."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if ANCHOR_CONNECTOR not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(
+            ANCHOR_CONNECTOR,
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+            "OffloadingConnector",
+        )
+
+
+# -- workloads and connectors --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepWorkload:
+    """One workload: prompts, how many run at once, and the device blocks."""
+
+    name: str
+    description: str
+    running: int
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: int
+    device_blocks: int
+
+    @property
+    def blocks_needed(self) -> int:
+        """Device blocks every request's whole sequence takes (prompt + generated)."""
+        per = [-(-(len(p) + self.max_tokens) // BLOCK_TOKENS) for p in self.prompts]
+        return sum(per)
+
+
+def workloads() -> list[StepWorkload]:
+    from kvtier.testkit import make_prefix_workload, make_workload
+
+    out: list[StepWorkload] = []
+    for n in (8, 64, 256):
+        # Room for all: n requests decode side by side for 128 steps after their prefill.
+        w = make_workload(n, 96, 128, seed=n)
+        blocks = n * -(-(96 + 128) // BLOCK_TOKENS) + 16
+        out.append(
+            StepWorkload(
+                f"room-{n}",
+                f"{n} requests x (96 + 128 tokens), room for all",
+                n,
+                w.prompts,
+                w.max_tokens,
+                blocks,
+            )
+        )
+    for n in (8, 64, 256):
+        # Prefix reuse: n prefixes of 256 tokens, asked 3 times round-robin, n/2 running;
+        # the device holds about a quarter of the prefixes, so most come back from kvtier.
+        groups = max(n, 4)
+        w = make_prefix_workload(groups, 256, 32, 3, max_tokens=32, seed=n)
+        per_request = -(-(256 + 32 + 32) // BLOCK_TOKENS)
+        running = max(n // 2, 2)
+        out.append(
+            StepWorkload(
+                f"prefix-{n}",
+                f"{groups} prefixes x 256 tokens asked 3 times (+32, 32 generated), "
+                f"{running} running, the device holds a quarter of the prefixes",
+                running,
+                w.prompts,
+                w.max_tokens,
+                max(running * per_request + 8, groups * 8 // 4 + running * 2),
+            )
+        )
+    for n in (8, 64, 256):
+        # Preemption: n requests x (64 + 160 tokens) on device blocks for 60% of them.
+        w = make_workload(n, 64, 160, seed=100 + n)
+        per_request = -(-(64 + 160) // BLOCK_TOKENS)
+        out.append(
+            StepWorkload(
+                f"preempt-{n}",
+                f"{n} requests x (64 + 160 tokens), device blocks for 60% of them",
+                n,
+                w.prompts,
+                w.max_tokens,
+                max(n * per_request * 6 // 10, per_request + 2),
+            )
+        )
+    return out
+
+
+def kv_bytes_per_block() -> int:
+    s = MODEL_SHAPE
+    return 2 * s["layers"] * s["heads"] * s["head_dim"] * 4 * BLOCK_TOKENS
+
+
+def connector_config(name: str, wl: StepWorkload, fs_root: str) -> dict[str, Any] | None:
+    """``kv_transfer_config`` of connector ``name`` for workload ``wl`` (None: no connector)."""
+    total = wl.blocks_needed * kv_bytes_per_block()
+    room = max(2 * total, 64 << 20)
+    if name == "none":
+        return None
+    if name == "vllm":
+        return {
+            "kv_connector": ANCHOR_CONNECTOR,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": room,
+                "spec_name": "VllmCPUOffloadingSpec",
+                "spec_module_path": "kvtier.demo.bench_step",
+            },
+        }
+    if name == "kvtier-host":
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": room,
+                "spec_name": "CPUOffloadingSpec",
+            },
+        }
+    if name == "kvtier-fs":
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": max(total // 4, 4 * kv_bytes_per_block()),
+                "spec_name": "TieringOffloadingSpec",
+                "secondary_tiers": [{"type": "fs", "root_dir": fs_root}],
+            },
+        }
+    if name == "recompute":
+        return {
+            "kv_connector": "RecomputeCPUOffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use_per_rank": room},
+        }
+    raise ValueError(f"unknown connector {name!r}")
+
+
+CONNECTORS = ("none", "vllm", "kvtier-host", "kvtier-fs", "recompute")
+
+
+# -- timing ----------------------------------------------------------------------------
+
+
+@dataclass
+class MethodStats:
+    calls: int = 0
+    ns: int = 0
+
+
+@dataclass
+class Side:
+    """Accumulates one side's (scheduler or worker) CPU time of the outermost calls."""
+
+    acc: int = 0
+    depth: threading.local = field(default_factory=threading.local)
+    methods: dict[str, MethodStats] = field(default_factory=dict)
+
+    def wrap(self, obj: Any, names: tuple[str, ...], prefix: str = "") -> None:
+        for name in names:
+            fn = getattr(obj, name, None)
+            if fn is None or not callable(fn):
+                continue
+            setattr(obj, name, self._timed(prefix + name, fn))
+
+    def _timed(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        stats = self.methods.setdefault(label, MethodStats())
+        local = self.depth
+        clock = time.thread_time_ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(local, "d", 0)
+            local.d = depth + 1
+            t0 = clock()
+            try:
+                result = fn(*args, **kwargs)
+                if hasattr(result, "__next__"):  # a generator: time it as it is drained
+                    result = list(result)
+                return result
+            finally:
+                spent = clock() - t0
+                local.d = depth
+                stats.calls += 1
+                stats.ns += spent
+                if depth == 0:
+                    self.acc += spent
+
+        return timed
+
+    def take(self) -> int:
+        spent, self.acc = self.acc, 0
+        return spent
+
+
+@dataclass
+class StepRecorder:
+    """Per-step CPU time: vLLM's scheduler, the connector's scheduler side, its worker side."""
+
+    scheduler: Side = field(default_factory=Side)
+    worker: Side = field(default_factory=Side)
+    manager: Side = field(default_factory=Side)
+    schedule_calls: list[tuple[int, int, int]] = field(default_factory=list)  # total, conn, tokens
+    update_calls: list[tuple[int, int]] = field(default_factory=list)
+    worker_steps: list[int] = field(default_factory=list)
+
+    def attach(self, llm: Any, *, breakdown: bool) -> None:
+        from kvtier.testkit import scheduler_of
+
+        sched = scheduler_of(llm)
+        conn = sched.connector
+        if conn is not None:
+            self.scheduler.wrap(conn, SCHEDULER_METHODS)
+            if breakdown:
+                manager = getattr(getattr(conn, "connector_scheduler", None), "manager", None)
+                if manager is not None:
+                    self.manager.wrap(manager, MANAGER_METHODS, "manager.")
+        clock = time.thread_time_ns
+        orig_schedule, orig_update = sched.schedule, sched.update_from_output
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            between = self.scheduler.take()  # calls outside a step (request arrivals)
+            t0 = clock()
+            out = orig_schedule(*args, **kwargs)
+            total = clock() - t0
+            conn_ns = self.scheduler.take()
+            self.schedule_calls.append(
+                (total + between, conn_ns + between, int(out.total_num_scheduled_tokens))
+            )
+            return out
+
+        def update(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            out = orig_update(*args, **kwargs)
+            total = clock() - t0
+            self.update_calls.append((total, self.scheduler.take()))
+            return out
+
+        sched.schedule, sched.update_from_output = schedule, update
+        if conn is not None:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            wconn = get_kv_transfer_group()
+            self.worker.wrap(wconn, WORKER_METHODS)
+            bind = wconn.bind_connector_metadata
+
+            def bind_step(*args: Any, **kwargs: Any) -> Any:
+                self.worker_steps.append(self.worker.take())  # the previous step's calls
+                return bind(*args, **kwargs)
+
+            wconn.bind_connector_metadata = bind_step
+
+    def steps(self) -> list[dict[str, int]]:
+        """Per step that scheduled tokens: vLLM's scheduler, connector scheduler side (ns)."""
+        out = []
+        for (total, conn, tokens), (utotal, uconn) in zip(self.schedule_calls, self.update_calls):
+            if tokens == 0:
+                continue
+            out.append({"vllm": total + utotal - conn - uconn, "sched": conn + uconn})
+        return out
+
+    def worker_per_step(self) -> list[int]:
+        # The first entry holds what ran before the first step; the last step's calls
+        # are taken at the end.
+        return [*self.worker_steps[1:], self.worker.take()]
+
+
+def _pct(values: list[int], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return s[k] / 1000.0
+
+
+def summarize(rec: StepRecorder) -> dict[str, Any]:
+    steps = rec.steps()
+    vllm = [s["vllm"] for s in steps]
+    sched = [s["sched"] for s in steps]
+    worker = rec.worker_per_step() if rec.worker_steps else []
+    return {
+        "steps": len(steps),
+        "vllm_sched_us": {"median": _pct(vllm, 0.5), "p90": _pct(vllm, 0.9)},
+        "sched_us": {
+            "median": _pct(sched, 0.5),
+            "p90": _pct(sched, 0.9),
+            "max": _pct(sched, 1.0),
+        },
+        "worker_us": {"median": _pct(worker, 0.5), "p90": _pct(worker, 0.9)},
+        "methods": {
+            name: {
+                "calls": s.calls,
+                "us_per_call": round(s.ns / s.calls / 1000.0, 2),
+                "total_ms": round(s.ns / 1e6, 2),
+            }
+            for side in (rec.scheduler, rec.worker, rec.manager)
+            for name, s in side.methods.items()
+            if s.calls
+        },
+    }
+
+
+@contextmanager
+def _quiet_gc() -> Iterator[None]:
+    """Collect before a run so one run's garbage is not collected in the next."""
+    gc.collect()
+    yield
+    gc.collect()
+
+
+def run_one(
+    model: Path, wl: StepWorkload, name: str, fs_root: str, *, breakdown: bool
+) -> dict[str, Any]:
+    from kvtier.testkit import free_llm, greedy_params, kv_transfer_config, make_llm
+
+    engine = {
+        **ENGINE,
+        "max_num_seqs": wl.running,
+        "num_gpu_blocks_override": wl.device_blocks,
+    }
+    kv = connector_config(name, wl, fs_root)
+    if kv is not None:
+        engine["kv_transfer_config"] = kv_transfer_config(kv)
+    with _quiet_gc():
+        llm = make_llm(model, **engine)
+        try:
+            rec = StepRecorder()
+            rec.attach(llm, breakdown=breakdown)
+            prompts = [{"prompt_token_ids": list(p)} for p in wl.prompts]
+            t0 = time.perf_counter()
+            llm.generate(prompts, greedy_params(wl.max_tokens), use_tqdm=False)
+            wall = time.perf_counter() - t0
+            result = summarize(rec)
+            result["wall_s"] = round(wall, 2)
+            try:
+                from kvtier.testkit import metric_values
+
+                m = metric_values(list(llm.get_metrics()))
+            except Exception:
+                m = {}
+            result["preemptions"] = int(m.get("vllm:num_preemptions", 0))
+            result["external_hits"] = int(m.get("vllm:external_prefix_cache_hits", 0))
+        finally:
+            free_llm(llm)
+    return result
+
+
+# -- report ----------------------------------------------------------------------------
+
+
+def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    out = []
+
+    def goal(text: str, value: float | None, target: float, at_most: bool = True) -> None:
+        met = value is not None and (value <= target if at_most else value >= target)
+        out.append({"goal": text, "value": value, "target": f"<= {target}", "met": met})
+
+    for wl, runs in results.items():
+        anchor = runs.get("vllm")
+        for name in ("kvtier-host", "kvtier-fs"):
+            r = runs.get(name)
+            if r is None:
+                continue
+            if anchor is not None and anchor["sched_us"]["median"] > 0:
+                goal(
+                    f"{wl}: {name} scheduler side / vLLM's connector (median)",
+                    round(r["sched_us"]["median"] / anchor["sched_us"]["median"], 3),
+                    0.5,
+                )
+            med = r["sched_us"]["median"]
+            goal(
+                f"{wl}: {name} scheduler side p90 / median",
+                round(r["sched_us"]["p90"] / med, 2) if med else None,
+                2.0,
+            )
+        for name in ("kvtier-host", "kvtier-fs", "recompute"):
+            r = runs.get(name)
+            if r is not None and wl.startswith("room"):
+                goal(f"{wl}: {name} worker side median (µs/step)", r["worker_us"]["median"], 50.0)
+    return out
+
+
+def costliest(results: dict[str, dict[str, dict[str, Any]]], n: int = 5) -> list[dict[str, Any]]:
+    """The ``n`` kvtier methods with the most CPU time over every kvtier run."""
+    total: dict[str, list[float]] = {}
+    for runs in results.values():
+        for name, r in runs.items():
+            if not name.startswith("kvtier") and name != "recompute":
+                continue
+            for method, s in r["methods"].items():
+                key = f"{name} {method}"
+                t = total.setdefault(key, [0.0, 0.0])
+                t[0] += s["total_ms"]
+                t[1] += s["calls"]
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [
+        {"method": k, "total_ms": round(v[0], 1), "us_per_call": round(v[0] * 1000 / v[1], 1)}
+        for k, v in ranked
+    ]
+
+
+def _line(cells: list[str], widths: list[int]) -> str:
+    return "  ".join(
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )
+
+
+def print_report(
+    results: dict[str, dict[str, dict[str, Any]]], descriptions: dict[str, str]
+) -> None:
+    cols = ("connector", "steps", "vLLM sched µs", "sched side µs", "p90", "x vLLM conn",
+            "worker µs", "p90 ", "15 ms step", "30 ms step", "wall s")  # fmt: skip
+    for wl, runs in results.items():
+        print(f"\n== {wl}: {descriptions[wl]}")
+        anchor = runs.get("vllm")
+        rows = []
+        for name, r in runs.items():
+            sched, worker = r["sched_us"], r["worker_us"]
+            per_step = sched["median"] + worker["median"]
+            ratio = (
+                f"{sched['median'] / anchor['sched_us']['median']:.2f}"
+                if anchor and anchor["sched_us"]["median"] and name != "none"
+                else "-"
+            )
+            rows.append(
+                [
+                    name,
+                    str(r["steps"]),
+                    f"{r['vllm_sched_us']['median']:.0f}",
+                    f"{sched['median']:.0f}",
+                    f"{sched['p90']:.0f}",
+                    ratio,
+                    f"{worker['median']:.0f}",
+                    f"{worker['p90']:.0f}",
+                    f"{100 * per_step / (ACCELERATOR_STEPS_MS[0] * 1000):.1f}%",
+                    f"{100 * per_step / (ACCELERATOR_STEPS_MS[1] * 1000):.1f}%",
+                    f"{r['wall_s']:.1f}",
+                ]
+            )
+        widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+        print(_line(list(cols), widths))
+        for row in rows:
+            print(_line(row, widths))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    names = [w.name for w in workloads()] if "--help" not in (argv or sys.argv) else []
+    parser.add_argument("--only", nargs="*", help=f"workloads to run (of {', '.join(names)})")
+    parser.add_argument("--connectors", nargs="*", choices=CONNECTORS, help="connectors to run")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the offloading manager's methods (adds a little to each call)",
+    )
+    opts = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from kvtier.testkit import make_tiny_llama
+
+    chosen = [w for w in workloads() if not opts.only or w.name in opts.only]
+    unknown = set(opts.only or ()) - {w.name for w in workloads()}
+    if unknown:
+        parser.error(f"--only: unknown workloads {sorted(unknown)}; choose from {names}")
+    connectors = opts.connectors or list(CONNECTORS)
+    model = make_tiny_llama(None, **MODEL_SHAPE)
+    _register_anchor_connector()
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for wl in chosen:
+        results[wl.name] = {}
+        for name in connectors:
+            with tempfile.TemporaryDirectory(prefix="kvtier-bench-step-") as fs_root:
+                print(f"{wl.name}: {name} ...", file=sys.stderr, flush=True)
+                results[wl.name][name] = run_one(model, wl, name, fs_root, breakdown=opts.breakdown)
+    print_report(results, {w.name: w.description for w in chosen})
+    top = costliest(results)
+    print("\n== the five costliest kvtier methods (CPU time over every run)")
+    for t in top:
+        print(f"  {t['method']:<60} {t['us_per_call']:>9.1f} µs/call  {t['total_ms']:>9.1f} ms")
+    results_goals = goals(results)
+    print("\n== goals")
+    for g in results_goals:
+        mark = "met " if g["met"] else "MISS"
+        print(f"  {mark}  {g['goal']}: {g['value']} (target {g['target']})")
+    if opts.json:
+        out = {
+            "model": MODEL_SHAPE,
+            "workloads": {w.name: w.description for w in chosen},
+            "results": results,
+            "costliest": top,
+            "goals": results_goals,
+        }
+        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {opts.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
