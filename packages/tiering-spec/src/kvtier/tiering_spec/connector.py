@@ -32,6 +32,7 @@ from typing import Any
 from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
 from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
+from kvtier.vllm_port import store_planning
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -93,6 +94,9 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         manager = getattr(scheduler, "manager", None)
         if isinstance(manager, KvtierOffloadingManager):
             self._kvtier_manager = manager
+            # vLLM updates keys and plans stores for every scheduled request each
+            # step; only requests with a new chunk need it.
+            store_planning.speed_up(scheduler)
             transfer = self._vllm_config.kv_transfer_config
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 logger.info(

@@ -1,0 +1,184 @@
+"""vLLM's offloading scheduler, doing per step only the work a request can need.
+
+vLLM's ``OffloadingConnectorScheduler`` goes over every scheduled request in every
+engine step, twice: ``_update_req_states`` adds the offload keys of chunks whose block
+hashes appeared and records new device blocks, and ``_build_store_jobs`` plans stores.
+That is about 10 µs of Python per running request per step on a CPU core, though a
+decoding request gains one block hash in a block's worth of tokens and, with
+``offload_prompt_only`` (vLLM's default), has nothing to store after its prompt. At 64
+running requests it is most of the connector's scheduler-side cost, and on an NPU or
+GPU that cost is paid on every step.
+
+:func:`speed_up` changes two things, and nothing else:
+
+* **Store planning sees only candidates.** A request goes through vLLM's
+  ``_build_store_jobs`` only if it finished, or if the tokens it may offload after this
+  step reach the end of the next chunk it has not stored, in some KV cache group. For
+  any other request vLLM's planning finds no chunk past ``next_stored_chunk_idx`` (the
+  storable chunk count is at most the offloadable tokens over the chunk size), stores
+  nothing and leaves its state as it was; so the plans are the same, store for store and
+  job id for job id.
+* **Keys are updated only when a chunk's last hash is new.** ``_update_req_states`` is
+  vLLM's loop (block tables, the step's newly allocated block ids) with
+  ``update_offload_keys`` called only when its slice of block hashes is not empty. This
+  is used only without sliding-window groups, where vLLM 0.32's and 0.33's loops are
+  the same; with them vLLM's own runs.
+
+Where vLLM's scheduler lacks what these read, nothing changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger("kvtier.vllm_port")
+
+
+class _Candidates:
+    """A scheduler output whose scheduled requests are only the store candidates."""
+
+    __slots__ = ("_output", "num_scheduled_tokens")
+
+    def __init__(self, output: Any, scheduled: dict[str, int]) -> None:
+        self._output = output
+        self.num_scheduled_tokens = scheduled
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._output, name)
+
+
+def _fields(cls: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+
+
+def _has_shape(scheduler: Any) -> bool:
+    """Whether ``scheduler`` keeps what :func:`speed_up` reads (vLLM 0.32 and 0.33 do)."""
+    cls = type(scheduler)
+    if not all(
+        callable(getattr(cls, name, None))
+        for name in ("_build_store_jobs", "_calc_num_offloadable_tokens", "_update_req_states")
+    ):
+        return False
+    if not isinstance(getattr(scheduler, "_req_status", None), dict):
+        return False
+    config = getattr(scheduler, "config", None)
+    groups = getattr(config, "kv_group_configs", None)
+    if not groups or not isinstance(getattr(config, "offload_prompt_only", None), bool):
+        return False
+    if not all(
+        isinstance(getattr(g, name, None), int)
+        for g in groups
+        for name in ("tokens_per_chunk", "hashes_per_chunk", "group_idx")
+    ):
+        return False
+    module = sys.modules.get(cls.__module__)
+    return (
+        {"next_stored_chunk_idx", "offload_keys", "block_ids"}
+        <= _fields(getattr(module, "RequestGroupState", None))
+        and {"req", "group_states"} <= _fields(getattr(module, "RequestOffloadState", None))
+        and callable(getattr(module, "yield_req_data", None))
+    )
+
+
+def speed_up(scheduler: Any) -> bool:
+    """Apply both changes (see the module) to ``scheduler``, an
+    ``OffloadingConnectorScheduler``. Returns whether it did."""
+    if not _has_shape(scheduler):
+        return False
+    if getattr(scheduler, "_sliding_window_groups", None) == ():
+        update_keys_when_new(scheduler)
+    plan_stores_for_candidates(scheduler)
+    return True
+
+
+def update_keys_when_new(scheduler: Any) -> None:
+    """vLLM's ``_update_req_states`` for a model without sliding-window groups, with
+    ``update_offload_keys`` called only where a chunk's last block hash is new."""
+    req_data = sys.modules[type(scheduler).__module__].yield_req_data
+    groups = scheduler.config.kv_group_configs
+    group_ids = tuple(g.group_idx for g in groups)
+    hashes_per_chunk = tuple(g.hashes_per_chunk for g in groups)
+    statuses: dict[str, Any] = scheduler._req_status
+
+    def update(scheduler_output: Any) -> None:
+        allocated: set[int] = scheduler._current_batch_allocated_block_ids
+        for req_id, new_blocks, full_table in req_data(scheduler_output):
+            status = statuses[req_id]
+            # vLLM's reads the hashes from index hashes_per_chunk * (keys + 1) - 1 on.
+            hashes = len(status.req.block_hashes)
+            for per_chunk, group in zip(hashes_per_chunk, status.group_states):
+                if hashes >= per_chunk * (len(group.offload_keys) + 1):
+                    status.update_offload_keys()
+                    break
+            if full_table:  # a resumed request's whole block table follows
+                for group in status.group_states:
+                    group.block_ids.clear()
+            if new_blocks:
+                status.update_block_id_groups(new_blocks)
+                for group_idx in group_ids:
+                    for block_id in new_blocks[group_idx]:
+                        if block_id != 0:
+                            allocated.add(block_id)
+        for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
+            allocated.add(copy.dst_block_id)
+
+    scheduler._update_req_states = update
+
+
+def plan_stores_for_candidates(scheduler: Any) -> None:
+    """Put the candidate filter (see the module) in front of ``scheduler``'s store
+    planning."""
+    plan: Callable[[Any], Any] = scheduler._build_store_jobs
+    statuses: dict[str, Any] = scheduler._req_status
+    chunk_tokens = tuple(g.tokens_per_chunk for g in scheduler.config.kv_group_configs)
+    prompt_only: bool = scheduler.config.offload_prompt_only
+    offloadable: Callable[[Any, int], int] = scheduler._calc_num_offloadable_tokens
+    failed = False
+
+    def candidates(scheduled: dict[str, int]) -> dict[str, int]:
+        keep: dict[str, int] = {}
+        for req_id, num_new in scheduled.items():
+            status = statuses.get(req_id)
+            if status is None:
+                continue  # vLLM's planning skips it too
+            req = status.req
+            if req.is_finished():
+                keep[req_id] = num_new
+                continue
+            after = req.num_computed_tokens + num_new
+            # At most what vLLM may offload: `offloadable` caps it further.
+            bound = min(after, req.num_prompt_tokens) if prompt_only else after
+            for size, group in zip(chunk_tokens, status.group_states):
+                end = (group.next_stored_chunk_idx + 1) * size
+                if bound >= end and offloadable(status, after) >= end:
+                    keep[req_id] = num_new
+                    break
+        return keep
+
+    def planned(scheduler_output: Any) -> Any:
+        nonlocal failed
+        scheduled = scheduler_output.num_scheduled_tokens
+        if failed or not scheduled:
+            return plan(scheduler_output)
+        try:
+            keep = candidates(scheduled)
+        except Exception:  # never expected; vLLM's own planning is always right
+            failed = True
+            logger.warning(
+                "kvtier: store planning filter off (vLLM's request state changed shape); "
+                "vLLM plans every request",
+                exc_info=True,
+            )
+            return plan(scheduler_output)
+        if len(keep) == len(scheduled):
+            return plan(scheduler_output)
+        return plan(_Candidates(scheduler_output, keep))
+
+    scheduler._build_store_jobs = planned
+
+
+__all__ = ["plan_stores_for_candidates", "speed_up", "update_keys_when_new"]
