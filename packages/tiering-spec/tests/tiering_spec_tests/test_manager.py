@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -241,17 +242,19 @@ def test_every_emitted_metric_is_declared(make_tier) -> None:
 
 def test_tier_metrics_keep_their_fs_names_as_aliases(make_tier) -> None:
     """vllm:kvtier_tier_* cover every secondary tier; the vllm:kvtier_fs_* names they
-    had before are emitted beside them with the same values, for one more release."""
+    had before are emitted beside them with the same values, for one more release
+    (counters that did not move are emitted under neither name)."""
     mgr, tier = promote_a_corrupt_file(make_tier)
     emitted = {(n, lab): v for _, n, v, lab in metrics.MetricsEmitter(mgr, tiering=True).collect()}
     declared = metrics.metric_table({}, tiering=True)
     for name, old in metrics.DEPRECATED_ALIASES.items():
         assert name in declared and old in declared
-        pairs = [(lab, v) for (n, lab), v in emitted.items() if n == name]
-        assert pairs, name
-        for lab, value in pairs:
-            assert emitted[(old, lab)] == value, (old, lab)
+        new_pairs = {(lab, v) for (n, lab), v in emitted.items() if n == name}
+        old_pairs = {(lab, v) for (n, lab), v in emitted.items() if n == old}
+        assert new_pairs == old_pairs, (name, old)
     assert emitted[(metrics.TIER_FAULTS, (tier.name, "corrupt"))] == 1
+    assert emitted[(metrics.FS_FAULTS, (tier.name, "corrupt"))] == 1
+    assert emitted[(metrics.TIER_USED_BYTES, (tier.name,))] == tier.used_bytes
 
 
 def test_a_store_that_finds_no_room_is_still_an_allocation_sample() -> None:
@@ -272,7 +275,58 @@ def test_counters_are_emitted_as_increments() -> None:
     mgr.lookup(b"a")
     first = {n: v for k, n, v, _ in em.collect() if k == "counter"}
     second = {n: v for k, n, v, _ in em.collect() if k == "counter"}
-    assert first[metrics.HOST_QUERIES] == 1 and second[metrics.HOST_QUERIES] == 0
+    assert first[metrics.HOST_QUERIES] == 1 and metrics.HOST_QUERIES not in second
+
+
+def test_a_step_where_nothing_changed_emits_nothing() -> None:
+    mgr = TierManager(HostBlockPool(4))
+    em = metrics.MetricsEmitter(mgr, tiering=False)
+    first = list(em.collect())
+    assert {n for k, n, _, _ in first if k == "gauge"} >= {metrics.CPU_CACHE_USAGE_PERC}
+    assert list(em.collect()) == [], "a step where nothing changed must emit nothing"
+    mgr.prepare_store([b"a"])
+    emitted = {n: v for _, n, v, _ in em.collect()}
+    assert emitted[metrics.CPU_CACHE_WRITE_USAGE_PERC] == 0.25
+
+
+def test_skipping_unchanged_steps_emits_what_computing_every_step_does() -> None:
+    """The emitter's shortcut (a signature of what it reads) against collecting every
+    step, over the same random stores, loads, lookups, failures and resets."""
+    keys = [bytes([i]) for i in range(10)]
+    rng = random.Random(7)
+    ops = [
+        (rng.randrange(5), rng.sample(keys, rng.randint(1, 3)), rng.random()) for _ in range(400)
+    ]
+
+    def steps(every_row: bool) -> list[list[tuple[str, str, object, tuple[str, ...]]]]:
+        mgr = TierManager(HostBlockPool(6), store_threshold=2)
+        em = metrics.MetricsEmitter(mgr, tiering=False)
+        out = []
+        for op, some, p in ops:
+            if op == 0:
+                plan = mgr.prepare_store(some)
+                if plan is not None and p < 0.7:
+                    mgr.complete_store(plan[0], success=p < 0.55)
+            elif op == 1:
+                for k in some:
+                    mgr.lookup(k)
+            elif op == 2:
+                cached = [k for k in some if mgr.pool.contains(k)]
+                if cached:
+                    mgr.prepare_load(cached)
+                    if p < 0.8:
+                        mgr.complete_load(cached)
+            elif op == 3 and p < 0.1:
+                mgr.reset(HostBlockPool(6))
+            if every_row:
+                em._signed = None  # the reference computes every row, every step
+            out.append(list(em.collect()))
+        return out
+
+    quick, full = steps(False), steps(True)
+    assert sum(1 for rows in full if not rows) > 20, "some steps must change nothing"
+    for step, (a, b) in enumerate(zip(quick, full)):
+        assert a == b, f"step {step} ({ops[step][0]}): {a} != {b}"
 
 
 def test_stores_skipped_is_emitted_only_with_a_filter_and_survives_a_reset() -> None:

@@ -488,6 +488,16 @@ class HostBlockPool:
     def num_cached(self) -> int:
         return len(self._keys) - self._num_storing
 
+    @property
+    def num_storing(self) -> int:
+        """Blocks reserved by stores not yet complete (``PoolStats.storing``)."""
+        return self._num_storing
+
+    @property
+    def num_read_pinned(self) -> int:
+        """Blocks pinned by loads in flight (``PoolStats.read_pinned``)."""
+        return len(self._load_pins) + len(self._owned_read_pins)
+
     def block_of(self, key: Hashable) -> int | None:
         """The block of a cached or storing key, else ``None``."""
         block = self._keys.get(key)

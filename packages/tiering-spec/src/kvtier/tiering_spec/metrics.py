@@ -257,6 +257,8 @@ class MetricsEmitter:
         self.core = core
         self.tiering = tiering
         self._last: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._signed: tuple[Any, ...] | None = None
 
     def _delta(self, name: str, labels: tuple[str, ...], total: float) -> float:
         key = (name, labels)
@@ -265,12 +267,71 @@ class MetricsEmitter:
         return total - prev
 
     def collect(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
-        """(kind, name, value, label values); counters are increments since the last call."""
+        """(kind, name, value, label values) of what changed since the last call: counters
+        as increments (none that stayed), gauges whose value moved (each once at first).
+
+        vLLM asks for them every engine step; on most steps nothing changed, and then
+        there is nothing for vLLM to aggregate and export."""
+        signature = self._signature()
+        if signature == self._signed and not self.core.counters.allocation_sizes:
+            return
+        self._signed = signature
+        gauges = self._gauges
+        for row in self._rows():
+            kind, name, value, labels = row
+            if kind == "counter":
+                if not value:
+                    continue
+            elif kind == "gauge":
+                key = (name, labels)
+                if key in gauges and gauges[key] == value:
+                    continue
+                gauges[key] = value
+            yield row
+
+    def _signature(self) -> tuple[Any, ...]:
+        """Every value :meth:`_rows` reads, read cheaply: equal signatures give equal
+        rows (no counter moved, no gauge changed), allocation samples aside (they are
+        taken as they are emitted)."""
         core = self.core
-        st = core.pool_stats()
-        cap = st.capacity or 1
-        write = st.storing / cap
-        read = min(st.read_pinned, st.capacity) / cap
+        c, pool, admission = core.counters, core.pool, core.admission
+        signature: tuple[Any, ...] = (
+            pool.num_blocks,
+            pool.num_storing,
+            pool.num_read_pinned,
+            c.host_queries,
+            c.host_hits,
+            c.store_failures,
+            c.writes_dropped,
+            c.promotion_allocation_failures,
+            None if admission is None else admission.stores_skipped,
+        )
+        if not self.tiering:
+            return signature
+        signature += (core.promoting_blocks, core.write_pinned_blocks)
+        for tier in core.secondary_tiers:
+            s = tier.stats
+            signature += (
+                s.queries,
+                s.hits,
+                s.read_bytes,
+                s.read_seconds,
+                s.write_bytes,
+                s.write_seconds,
+                s.writes_dropped,
+                s.evictions,
+                tier.used_bytes,
+                tier.faults(),
+            )
+        return signature
+
+    def _rows(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
+        core = self.core
+        pool = core.pool
+        capacity = pool.num_blocks
+        cap = capacity or 1
+        write = pool.num_storing / cap
+        read = min(pool.num_read_pinned, capacity) / cap
         yield "gauge", CPU_CACHE_USAGE_PERC, min(1.0, write + read), ()
         yield "gauge", CPU_CACHE_WRITE_USAGE_PERC, write, ()
         yield "gauge", CPU_CACHE_READ_USAGE_PERC, read, ()

@@ -238,7 +238,8 @@ class KvtierOffloadingManager(OffloadingManager):
         return self._metrics.collect()
 
     def get_stats(self) -> Any:
-        return compat.manager_stats(self.collect_metrics())
+        rows = list(self.collect_metrics())
+        return compat.manager_stats(iter(rows)) if rows else None
 
     def shutdown(self) -> None:
         if not self.core.shutdown():
