@@ -78,6 +78,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             super().__init__(*args, **kwargs)
         self._kvtier_worker_spec: _KvtierSpec | None = None
         self._kvtier_manager: KvtierOffloadingManager | None = None
+        self._kvtier_events = True
         self._store_failure_logged = False
         # Failed loads as failed requests, where block ids name no single request.
         groups = getattr(given.get("kv_cache_config"), "kv_cache_groups", None) or ()
@@ -97,6 +98,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             # vLLM updates keys and plans stores for every scheduled request each
             # step; only requests with a new chunk need it.
             store_planning.speed_up(scheduler)
+            events = getattr(manager.spec, "kv_events_config", None)
+            self._kvtier_events = bool(getattr(events, "enable_kv_cache_events", True))
             transfer = self._vllm_config.kv_transfer_config
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 logger.info(
@@ -113,9 +116,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         return None if spec is None else spec._worker
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = set(super().get_block_ids_with_load_errors())
+        errors = super().get_block_ids_with_load_errors()
         worker = self._kvtier_worker()
-        if worker is not None and not self._fail_requests:
+        if worker is not None and not self._fail_requests and worker.has_failed_loads:
+            errors = set(errors)
             # (With request-level failures get_finished takes them as requests.)
             for device_ids in worker.take_failed_loads().values():
                 errors.update(device_ids)
@@ -165,7 +169,16 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             )
         super().on_new_request(request)
 
+    def take_events(self) -> Any:
+        if self._kvtier_manager is not None and not self._kvtier_events:
+            return ()  # neither vLLM's tracker nor kvtier's tiers record any
+        return super().take_events()
+
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._kvtier_manager is not None and not store_planning.has_worker_news(
+            self.connector_scheduler, connector_output
+        ):
+            return  # vLLM's would read an empty worker metadata and change nothing
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         failed = getattr(meta, "failed_store_jobs", None)
         if failed and self._kvtier_manager is not None:

@@ -95,6 +95,8 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
         return True
 
     def get_finished(self) -> list[Any]:
+        if not (self._skipped or self._refused or self.core.busy):
+            return []  # vLLM asks every step; most steps have no job in flight
         skipped, self._skipped = self._skipped, []
         refused, self._refused = self._refused, []
         done = [(j, True, 0, 0.0) for j in skipped] + [(j, False, 0, 0.0) for j in refused]
@@ -110,6 +112,11 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
                     self._failed_stores.append(job_id)
             results.append(compat.PORT.transfer_result(job_id, ok, nbytes, seconds))
         return results
+
+    @property
+    def has_failed_loads(self) -> bool:
+        """Whether :meth:`take_failed_loads` has something to take."""
+        return bool(self._failed_loads)
 
     def take_failed_loads(self) -> dict[int, list[int]]:
         """Load jobs that failed since the last call, with their device block ids: the

@@ -137,8 +137,15 @@ class OffloadTransferWorker:
         handle = self.engine.load(rows, list(device_ids))
         self._jobs[job_id] = (handle, time.perf_counter(), len(rows) * self.block_bytes)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a copy job is in flight (submitted, not yet returned as finished)."""
+        return bool(self._jobs)
+
     def get_finished(self) -> list[FinishedJob]:
         """Jobs finished since the last call."""
+        if not self._jobs:
+            return []
         done: list[FinishedJob] = []
         now = time.perf_counter()
         for job_id, (handle, t0, nbytes) in list(self._jobs.items()):

@@ -25,6 +25,9 @@ GPU that cost is paid on every step.
   the same; with them vLLM's own runs.
 
 Where vLLM's scheduler lacks what these read, nothing changes.
+
+:func:`has_worker_news` tells a connector when vLLM's ``update_connector_output`` would
+do nothing (no worker metadata: no job completed, no transfer stats), so it can skip it.
 """
 
 from __future__ import annotations
@@ -181,4 +184,13 @@ def plan_stores_for_candidates(scheduler: Any) -> None:
     scheduler._build_store_jobs = planned
 
 
-__all__ = ["plan_stores_for_candidates", "speed_up", "update_keys_when_new"]
+def has_worker_news(scheduler: Any, connector_output: Any) -> bool:
+    """Whether vLLM's ``update_connector_output`` on ``scheduler`` can change anything for
+    ``connector_output``: not when the workers sent no metadata (vLLM then reads an empty
+    one), unless vLLM 0.33's manager region was left open (its hook recovers it)."""
+    if getattr(connector_output, "kv_connector_worker_meta", None) is not None:
+        return True
+    return getattr(scheduler, "_step_region", None) is not None
+
+
+__all__ = ["has_worker_news", "plan_stores_for_candidates", "speed_up", "update_keys_when_new"]
