@@ -263,6 +263,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._hash_block_size = 0
         self._groups = kv_groups(facts.kv)
         self._stats_every_step = not port.binds_kv_cache_manager
+        self._gauges_sent: dict[str, int] = {}  # host-block gauges as last reported
         # Several KV cache groups: a failed restore can only be reported as a failed
         # request, which vLLM accepts for restores it waits for (the port says where).
         several_groups = len(self._groups) > 1
@@ -560,12 +561,15 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is not None:
-            stats = scheduler_stats(self.scheduler)
+            stats = scheduler_stats(self.scheduler, self._gauges_sent)
         elif self.worker is not None:
-            stats = worker_stats(self.worker.take_stats())
+            transfers = self.worker.take_stats()
             if self._stats_every_step:
                 # Older vLLM polls the scheduler side only when a worker reports stats.
-                return stats
+                return worker_stats(transfers)
+            if transfers is None:
+                return None  # no copy this step (most steps)
+            stats = worker_stats(transfers)
         else:
             return None
         return None if stats.is_empty() else stats

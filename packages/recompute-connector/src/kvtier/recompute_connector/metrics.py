@@ -167,8 +167,14 @@ class RecomputeOffloadPromMetrics(KVConnectorPromMetrics):
                 self._gauges[name].labels(*labels).set(value)
 
 
-def scheduler_stats(scheduler: RecomputeOffloadScheduler) -> RecomputeOffloadStats:
-    """The scheduler's counters since the last call, and its host-block gauges (blocks)."""
+def scheduler_stats(
+    scheduler: RecomputeOffloadScheduler, sent: dict[str, int] | None = None
+) -> RecomputeOffloadStats:
+    """The scheduler's counters since the last call, and its host-block gauges (blocks).
+
+    With ``sent`` (the gauges this caller sent before, updated here) a gauge is left out
+    while its value stays: vLLM asks every engine step, and a Prometheus gauge keeps
+    its last value."""
     stats = RecomputeOffloadStats()
     s = scheduler.take_stats()
     counters = stats.counters
@@ -177,8 +183,14 @@ def scheduler_stats(scheduler: RecomputeOffloadScheduler) -> RecomputeOffloadSta
             counters[name] = getattr(s, name)
     for reason, n in s.fallbacks.items():
         counters[f"fallback:{reason}"] = n
-    stats.gauges["host_blocks_in_use"] = scheduler.host_blocks_in_use
-    stats.gauges["host_blocks"] = scheduler.pool.num_blocks
+    for name, value in (
+        ("host_blocks_in_use", scheduler.host_blocks_in_use),
+        ("host_blocks", scheduler.pool.num_blocks),
+    ):
+        if sent is None or sent.get(name) != value:
+            stats.gauges[name] = value
+            if sent is not None:
+                sent[name] = value
     return stats
 
 

@@ -253,8 +253,9 @@ class VllmPort(abc.ABC):
     def transfer_results(self, finished_recving: set[str], failed_recving: set[str]) -> Any:
         """vLLM's ``KVConnectorTransferResults`` (only where
         :attr:`request_level_load_failures`)."""
-        results = importlib.import_module(_CONNECTOR_BASE).KVConnectorTransferResults
-        return results(finished_recving=set(finished_recving), failed_recving=set(failed_recving))
+        return _transfer_results_class()(
+            finished_recving=set(finished_recving), failed_recving=set(failed_recving)
+        )
 
     def worker_metadata_base(self) -> type | None:
         """vLLM's ``OffloadingWorkerMetadata`` (completed jobs reach the scheduler in
@@ -528,6 +529,12 @@ def _has(module: str, name: str, attribute: str | None = None) -> bool:
     except (ImportError, AttributeError):
         return False
     return attribute is None or hasattr(owner, attribute)
+
+
+@functools.cache
+def _transfer_results_class() -> Any:
+    # Asked for every worker step: look the class up once.
+    return importlib.import_module(_CONNECTOR_BASE).KVConnectorTransferResults
 
 
 @functools.cache
