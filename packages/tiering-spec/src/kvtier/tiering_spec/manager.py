@@ -152,7 +152,9 @@ class TierManager:
             self._pass_req = req_id
             self._pass_keys = []
             self.flush()  # the previous request's promotions
-        self.poll()
+            # Once a pass, not once a key: a read that ends during the pass is a
+            # HIT_PENDING, which vLLM asks again next step.
+            self.poll()
         pool = self.pool
         self.counters.host_queries += 1
         if pool.contains(key):

@@ -81,6 +81,8 @@ class KvtierOffloadingManager(OffloadingManager):
         # (request id, whether it has a LoRA adapter) of the request being added now.
         self._arriving: tuple[str, bool] | None = None
         self._logged: set[str] = set()
+        self._pass_context: ReqContext | None = None
+        self._pass_secondary = True
         tiers, self._regions = spec.build_secondary_tiers()
         s = spec.settings
         self.core = TierManager(
@@ -94,8 +96,12 @@ class KvtierOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
         if self.spec.no_loads_reason is not None:
             return compat.lookup_result(Lookup.MISS)
+        # vLLM looks a request's keys up one by one: its tiers are read once a pass.
+        if req_context is not self._pass_context:
+            self._pass_context = req_context
+            self._pass_secondary = self._secondary(req_context)
         return compat.lookup_result(
-            self.core.lookup(key, req_context.req_id, secondary=self._secondary(req_context))
+            self.core.lookup(key, req_context.req_id, secondary=self._pass_secondary)
         )
 
     def note_new_request(self, req_id: str, has_lora: bool) -> None:
@@ -225,6 +231,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 )
 
     def on_schedule_end(self, context: Any = None) -> None:
+        self._pass_context = None
         self.core.end_step()
 
     def has_pending_work(self) -> bool:
