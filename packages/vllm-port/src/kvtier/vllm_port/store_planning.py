@@ -19,10 +19,11 @@ GPU that cost is paid on every step.
   nothing and leaves its state as it was; so the plans are the same, store for store and
   job id for job id.
 * **Keys are updated only when a chunk's last hash is new.** ``_update_req_states`` is
-  vLLM's loop (block tables, the step's newly allocated block ids) with
-  ``update_offload_keys`` called only when its slice of block hashes is not empty. This
-  is used only without sliding-window groups, where vLLM 0.32's and 0.33's loops are
-  the same; with them vLLM's own runs.
+  vLLM's loop (block tables, the step's newly allocated block ids) over the requests
+  and flags its ``yield_req_data`` gives (whether a new request's block ids are its
+  whole table is asked of it once), with ``update_offload_keys`` called only when its
+  slice of block hashes is not empty. This is used only without sliding-window groups,
+  where vLLM 0.32's and 0.33's loops are the same; with them vLLM's own runs.
 
 Where vLLM's scheduler lacks what these read, nothing changes.
 
@@ -93,7 +94,10 @@ def speed_up(scheduler: Any) -> bool:
     if not _has_shape(scheduler):
         return False
     if getattr(scheduler, "_sliding_window_groups", None) == ():
-        update_keys_when_new(scheduler)
+        try:
+            update_keys_when_new(scheduler)
+        except Exception:  # vLLM's yield_req_data answered unlike 0.32 and 0.33
+            logger.debug("kvtier: vLLM's request-state update kept", exc_info=True)
     plan_stores_for_candidates(scheduler)
     return True
 
@@ -101,35 +105,72 @@ def speed_up(scheduler: Any) -> bool:
 def update_keys_when_new(scheduler: Any) -> None:
     """vLLM's ``_update_req_states`` for a model without sliding-window groups, with
     ``update_offload_keys`` called only where a chunk's last block hash is new."""
-    req_data = sys.modules[type(scheduler).__module__].yield_req_data
+    new_is_full = _new_requests_full_table(sys.modules[type(scheduler).__module__].yield_req_data)
     groups = scheduler.config.kv_group_configs
     group_ids = tuple(g.group_idx for g in groups)
     hashes_per_chunk = tuple(g.hashes_per_chunk for g in groups)
     statuses: dict[str, Any] = scheduler._req_status
 
+    def one(req_id: str, new_blocks: Any, full_table: bool, allocated: set[int]) -> None:
+        status = statuses[req_id]
+        # vLLM's reads the hashes from index hashes_per_chunk * (keys + 1) - 1 on.
+        hashes = len(status.req.block_hashes)
+        for per_chunk, group in zip(hashes_per_chunk, status.group_states):
+            if hashes >= per_chunk * (len(group.offload_keys) + 1):
+                status.update_offload_keys()
+                break
+        if full_table:  # the request's whole block table follows
+            for group in status.group_states:
+                group.block_ids.clear()
+        if new_blocks:
+            status.update_block_id_groups(new_blocks)
+            for group_idx in group_ids:
+                for block_id in new_blocks[group_idx]:
+                    if block_id != 0:
+                        allocated.add(block_id)
+
     def update(scheduler_output: Any) -> None:
         allocated: set[int] = scheduler._current_batch_allocated_block_ids
-        for req_id, new_blocks, full_table in req_data(scheduler_output):
+        # The requests and flags of vLLM's yield_req_data, without its generator.
+        for new in scheduler_output.scheduled_new_reqs:
+            one(new.req_id, new.block_ids, new_is_full, allocated)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
+            if new_blocks or resumed:
+                one(req_id, new_blocks, req_id in resumed, allocated)
+                continue
+            # A running request with no new block (most of them, most steps).
             status = statuses[req_id]
-            # vLLM's reads the hashes from index hashes_per_chunk * (keys + 1) - 1 on.
             hashes = len(status.req.block_hashes)
             for per_chunk, group in zip(hashes_per_chunk, status.group_states):
                 if hashes >= per_chunk * (len(group.offload_keys) + 1):
                     status.update_offload_keys()
                     break
-            if full_table:  # a resumed request's whole block table follows
-                for group in status.group_states:
-                    group.block_ids.clear()
-            if new_blocks:
-                status.update_block_id_groups(new_blocks)
-                for group_idx in group_ids:
-                    for block_id in new_blocks[group_idx]:
-                        if block_id != 0:
-                            allocated.add(block_id)
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
             allocated.add(copy.dst_block_id)
 
     scheduler._update_req_states = update
+
+
+def _new_requests_full_table(req_data: Callable[[Any], Any]) -> bool:
+    """Whether vLLM's ``yield_req_data`` marks a new request's block ids as its whole
+    table (vLLM 0.33: True; 0.32: False), asked of it with a one-request output."""
+
+    class New:
+        req_id = "kvtier-probe"
+        block_ids: tuple[list[int], ...] = ([],)
+
+    class Cached:
+        req_ids: list[str] = []
+        new_block_ids: list[Any] = []
+        resumed_req_ids: set[str] = set()
+
+    class Output:
+        scheduled_new_reqs = [New()]
+        scheduled_cached_reqs = Cached()
+
+    return bool(next(iter(req_data(Output())))[2])
 
 
 def plan_stores_for_candidates(scheduler: Any) -> None:
@@ -179,6 +220,8 @@ def plan_stores_for_candidates(scheduler: Any) -> None:
             return plan(scheduler_output)
         if len(keep) == len(scheduled):
             return plan(scheduler_output)
+        if not keep and not scheduler_output.finished_req_ids:
+            return {}  # what vLLM's returns for no request
         return plan(_Candidates(scheduler_output, keep))
 
     scheduler._build_store_jobs = planned
