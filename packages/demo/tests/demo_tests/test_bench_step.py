@@ -1,0 +1,105 @@
+"""The step-cost benchmark: its timer, its anchor (vLLM's own connector and manager), and
+one run end to end on a real engine."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.demo import bench_step
+from kvtier.testkit import requires_vllm
+
+
+def test_a_timed_call_counts_its_own_work_not_the_copies_inside() -> None:
+    side = bench_step.Side()
+
+    class Probe:
+        def work(self) -> None:
+            deadline = time.thread_time_ns() + 2_000_000
+            while time.thread_time_ns() < deadline:
+                pass
+            bench_step.COPY_CLOCK.ns += 1_500_000  # as if 1.5 ms of it were a block copy
+
+    probe = Probe()
+    side.wrap(probe, ("work",))
+    probe.work()
+    spent = side.take()
+    assert 300_000 <= spent <= 1_500_000, f"{spent} ns: the copy must be left out"
+    assert side.take() == 0, "take() hands each step's time over once"
+
+
+def test_nested_calls_count_once() -> None:
+    side = bench_step.Side()
+
+    class Probe:
+        def inner(self) -> None:
+            deadline = time.thread_time_ns() + 1_000_000
+            while time.thread_time_ns() < deadline:
+                pass
+
+        def outer(self) -> None:
+            self.inner()
+            self.inner()
+
+    probe = Probe()
+    side.wrap(probe, ("inner", "outer"))
+    probe.outer()
+    spent = side.take()
+    assert 2_000_000 <= spent <= 3_000_000, f"{spent} ns for 2 ms of work"
+    assert side.methods["inner"].calls == 2 and side.methods["outer"].calls == 1
+
+
+def test_the_timer_cost_is_measured_small_and_positive() -> None:
+    cost = bench_step.calibrate(rounds=2, calls=500)
+    assert 0 < cost.own_ns < 50_000 and 0 < cost.nested_ns < 50_000, cost
+
+
+def test_percentiles() -> None:
+    assert bench_step._pct([5_000, 1_000, 3_000], 0.5) == 3.0
+    assert bench_step._pct([], 0.9) == 0.0
+
+
+@requires_vllm
+def test_the_anchor_is_vllms_own_connector_and_manager(tiny_model: Path) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    from kvtier.testkit import free_llm, kv_transfer_config, make_llm
+    from kvtier.testkit.engine import kv_connector_of
+
+    bench_step._register_anchor_connector()
+    wl = bench_step.workloads()[0]
+    kv = bench_step.connector_config("vllm", wl, "")
+    assert kv is not None
+    engine: dict[str, Any] = {**bench_step.ENGINE, "max_num_seqs": 8}
+    llm = make_llm(tiny_model, **engine, kv_transfer_config=kv_transfer_config(kv))
+    try:
+        connector = kv_connector_of(llm)
+        assert type(connector) is OffloadingConnector, type(connector).__mro__
+        assert type(connector.connector_scheduler.manager) is CPUOffloadingManager
+    finally:
+        free_llm(llm)
+
+
+@requires_vllm
+def test_one_run_reports_every_connector_beside_the_anchor(tmp_path: Path) -> None:
+    out = tmp_path / "bench-step.json"
+    code = bench_step.main(
+        ["--only", "room-8", "--connectors", "none", "vllm", "kvtier-host", "--json", str(out)]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    runs = report["results"]["room-8"]
+    for name in ("none", "vllm", "kvtier-host"):
+        assert runs[name]["steps"] >= 128, (name, runs[name]["steps"])
+        assert runs[name]["vllm_sched_us"]["median"] > 0, name
+    assert runs["none"]["sched_us"]["median"] == 0, "no connector, no connector cost"
+    for name in ("vllm", "kvtier-host"):
+        assert runs[name]["sched_us"]["median"] > 0 and runs[name]["worker_us"]["median"] > 0
+        assert "build_connector_meta" in runs[name]["methods"], name
+    assert any(g["goal"].startswith("room-8: kvtier-host") for g in report["goals"])
+    assert report["timer_ns"]["own"] > 0
