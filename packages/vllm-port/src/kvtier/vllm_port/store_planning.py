@@ -85,6 +85,7 @@ def _has_shape(scheduler: Any) -> bool:
         <= _fields(getattr(module, "RequestGroupState", None))
         and {"req", "group_states"} <= _fields(getattr(module, "RequestOffloadState", None))
         and callable(getattr(module, "yield_req_data", None))
+        and callable(getattr(getattr(module, "RequestStatus", None), "is_finished", None))
     )
 
 
@@ -109,6 +110,7 @@ def update_keys_when_new(scheduler: Any) -> None:
     groups = scheduler.config.kv_group_configs
     group_ids = tuple(g.group_idx for g in groups)
     hashes_per_chunk = tuple(g.hashes_per_chunk for g in groups)
+    single = hashes_per_chunk[0] if len(hashes_per_chunk) == 1 else None
     statuses: dict[str, Any] = scheduler._req_status
 
     def one(req_id: str, new_blocks: Any, full_table: bool, allocated: set[int]) -> None:
@@ -143,6 +145,10 @@ def update_keys_when_new(scheduler: Any) -> None:
             # A running request with no new block (most of them, most steps).
             status = statuses[req_id]
             hashes = len(status.req.block_hashes)
+            if single is not None:  # one KV cache group: no loop
+                if hashes >= single * (len(status.group_states[0].offload_keys) + 1):
+                    status.update_offload_keys()
+                continue
             for per_chunk, group in zip(hashes_per_chunk, status.group_states):
                 if hashes >= per_chunk * (len(group.offload_keys) + 1):
                     status.update_offload_keys()
@@ -173,6 +179,13 @@ def _new_requests_full_table(req_data: Callable[[Any], Any]) -> bool:
     return bool(next(iter(req_data(Output())))[2])
 
 
+def _finished_statuses(scheduler: Any) -> frozenset[Any]:
+    """vLLM's request statuses that ``Request.is_finished`` says are finished (its
+    ``RequestStatus``, as the scheduler's module imports it)."""
+    statuses = sys.modules[type(scheduler).__module__].RequestStatus
+    return frozenset(s for s in statuses if statuses.is_finished(s))
+
+
 def plan_stores_for_candidates(scheduler: Any) -> None:
     """Put the candidate filter (see the module) in front of ``scheduler``'s store
     planning."""
@@ -181,6 +194,7 @@ def plan_stores_for_candidates(scheduler: Any) -> None:
     chunk_tokens = tuple(g.tokens_per_chunk for g in scheduler.config.kv_group_configs)
     prompt_only: bool = scheduler.config.offload_prompt_only
     offloadable: Callable[[Any, int], int] = scheduler._calc_num_offloadable_tokens
+    finished = _finished_statuses(scheduler)
     failed = False
 
     def candidates(scheduled: dict[str, int]) -> dict[str, int]:
@@ -190,12 +204,14 @@ def plan_stores_for_candidates(scheduler: Any) -> None:
             if status is None:
                 continue  # vLLM's planning skips it too
             req = status.req
-            if req.is_finished():
+            if req.status in finished:
                 keep[req_id] = num_new
                 continue
             after = req.num_computed_tokens + num_new
             # At most what vLLM may offload: `offloadable` caps it further.
-            bound = min(after, req.num_prompt_tokens) if prompt_only else after
+            bound = after
+            if prompt_only and req.num_prompt_tokens < after:
+                bound = req.num_prompt_tokens
             for size, group in zip(chunk_tokens, status.group_states):
                 end = (group.next_stored_chunk_idx + 1) * size
                 if bound >= end and offloadable(status, after) >= end:
