@@ -877,26 +877,14 @@ def bench_recompute(session: nox.Session) -> None:
 @nox.session(name="bench-e2e")
 def bench_e2e(session: nox.Session) -> None:
     """Seconds on a realistic-shaped model: kvtier vs vLLM alone vs a null connector."""
-    install_packages(session, ["kvtier-demo"], with_vllm=True)
-    out = ROOT / "out"
-    out.mkdir(exist_ok=True)
-    session.run(
-        "python", "-m", "kvtier.demo.bench_e2e", "--json", str(out / "bench-e2e.json"),
-        *session.posargs,
-    )  # fmt: skip
+    _bench(session, ["kvtier-demo"], "kvtier.demo.bench_e2e", "bench-e2e")
 
 
 @nox.session(name="bench-step")
 def bench_step(session: nox.Session) -> None:
     """CPU time each connector adds to an engine step (scheduler side, worker side),
-    beside vLLM's own scheduler and vLLM's own OffloadingConnector (a few minutes)."""
-    install_packages(session, ["kvtier-demo"], with_vllm=True)
-    out = ROOT / "out"
-    out.mkdir(exist_ok=True)
-    session.run(
-        "python", "-m", "kvtier.demo.bench_step", "--json", str(out / "bench-step.json"),
-        *session.posargs,
-    )  # fmt: skip
+    beside vLLM's own scheduler and vLLM's own OffloadingConnector (5-10 minutes)."""
+    _bench(session, ["kvtier-demo"], "kvtier.demo.bench_step", "bench-step")
 
 
 @nox.session(name="bench-trace")
