@@ -153,9 +153,10 @@ def _anchor_spec_class() -> type:
 
     class VllmCPUOffloadingSpec(CPUOffloadingSpec):
         def get_worker(self, kv_caches: Any) -> Any:
-            if self._worker is None:
-                self._worker = InstantWorker()
-            return self._worker
+            worker = self.__dict__.get("_instant_worker")
+            if worker is None:
+                worker = self.__dict__["_instant_worker"] = InstantWorker()
+            return worker
 
     return VllmCPUOffloadingSpec
 
