@@ -129,6 +129,8 @@ def test_cpu_spec_keeps_pinned_copies_per_rank_where_shared_memory_cannot_be_pin
 
 
 class FakeCore:
+    busy = False  # no copy job of its own is ever in flight
+
     def __init__(self) -> None:
         self.stores: list[int] = []
 

@@ -250,6 +250,10 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
     return t
 
 
+# Reported on every call, as vLLM's CPUOffloadingManager does (its stats are never None).
+ALWAYS_GAUGES = (CPU_CACHE_USAGE_PERC, CPU_CACHE_WRITE_USAGE_PERC, CPU_CACHE_READ_USAGE_PERC)
+
+
 class MetricsEmitter:
     """Turns a :class:`TierManager`'s cumulative counters into per-interval values."""
 
@@ -268,18 +272,29 @@ class MetricsEmitter:
 
     def collect(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         """(kind, name, value, label values) of what changed since the last call: counters
-        as increments (none that stayed), gauges whose value moved (each once at first).
+        as increments (none that stayed), gauges whose value moved (each once at first);
+        the host tier's usage gauges and its stores-skipped counter every time, as vLLM's
+        own manager reports them.
 
         vLLM asks for them every engine step; on most steps nothing changed, and then
         there is nothing for vLLM to aggregate and export."""
         signature = self._signature()
         if signature == self._signed and not self.core.counters.allocation_sizes:
+            # What vLLM's manager reports every time: its usage gauges (and its
+            # stores-skipped counter, where a store threshold is set).
+            for name in ALWAYS_GAUGES:
+                yield "gauge", name, self._gauges[(name, ())], ()
+            if self.core.admission is not None:
+                yield "counter", STORES_SKIPPED, 0, ()
             return
         self._signed = signature
         gauges = self._gauges
         for row in self._rows():
             kind, name, value, labels = row
-            if kind == "counter":
+            if name in ALWAYS_GAUGES or name == STORES_SKIPPED:
+                if kind == "gauge":
+                    gauges[(name, labels)] = value
+            elif kind == "counter":
                 if not value:
                     continue
             elif kind == "gauge":
