@@ -154,6 +154,12 @@ def scenarios(fs_root: str) -> list[Scenario]:
     prefix_workload = make_prefix_workload(4, 768, 32, 3, max_tokens=16)
     tight_prefix = {**prefix, "num_gpu_blocks_override": 60}
     roomy_prefix = {**prefix, "num_gpu_blocks_override": 400}
+    # Longer prefixes, a prefill in chunks of 256 tokens, one request at a time: a
+    # request's prefix (30 blocks) and the next one's do not fit together.
+    long_workload = make_prefix_workload(3, 960, 32, 3, max_tokens=16)
+    long_prefix = {**BASE_ENGINE, "max_num_seqs": 1, "max_num_batched_tokens": 256}
+    tight_long = {**long_prefix, "num_gpu_blocks_override": 40}
+    roomy_long = {**long_prefix, "num_gpu_blocks_override": 400}
     tight_preempt = {**no_prefix_cache, "num_gpu_blocks_override": 60}
     tight_cached = {**preempt, "num_gpu_blocks_override": 60}
     chat_tight = {**CHAT_ENGINE, "num_gpu_blocks_override": 64}
@@ -202,6 +208,22 @@ def scenarios(fs_root: str) -> list[Scenario]:
                     "kvtier",
                     tight_prefix,
                     _offload_kv("TieringOffloadingSpec", SMALL_HOST_BYTES, fs_root),
+                ),
+            ],
+        ),
+        Scenario(
+            "prefix-long",
+            "3 prefixes x 960 tokens asked 3 times (+32, 16 generated), chunked prefill of "
+            "256 tokens, one request at a time, 40 device blocks",
+            long_workload,
+            [
+                Run("reference (room for all)", "reference", roomy_long),
+                Run("vLLM alone (device cache)", "alone", tight_long),
+                Run(
+                    "kvtier host tier (1 GiB)",
+                    "kvtier",
+                    tight_long,
+                    _offload_kv("CPUOffloadingSpec", HOST_BYTES),
                 ),
             ],
         ),
@@ -275,33 +297,80 @@ def run_chat_scenario(model: Path, sc: Scenario, progress: Any, log_dir: Path) -
     _compare_runs(sc, replies, lambda a, b: a == b, "ttft_p50_s")
 
 
-def run_scenario(model: Path, sc: Scenario, progress: Any) -> None:
-    from kvtier.testkit import compare_outputs, kv_transfer_config, run_with
+def kv_bytes_per_token() -> int:
+    """KV bytes per token of the benchmark's model (K and V, every layer, float32)."""
+    s = MODEL_SHAPE
+    return s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 4
+
+
+def measured_copy_gbps() -> float:
+    """The copy engine's load rate for the model's KV blocks (GB/s, best of five)."""
+    from kvtier.demo.timeline import copy_rate
+
+    per_layer = kv_bytes_per_token() // MODEL_SHAPE["layers"] * BASE_ENGINE["block_size"]
+    return copy_rate(MODEL_SHAPE["layers"], per_layer)
+
+
+def run_scenario(
+    model: Path, sc: Scenario, progress: Any, copy_gbps: float | None = None, repeat: int = 1
+) -> None:
+    """Run each of ``sc``'s engines ``repeat`` times, the runs of the scenario taking
+    turns; each keeps its fastest repetition (a shared 2-core machine varies by 5-15%
+    from one identical run to the next). Outputs are compared on every repetition."""
+    from kvtier.testkit import compare_outputs
 
     outputs: dict[str, Any] = {}
-    for run in sc.runs:
-        progress.set_description(f"{sc.name}: {run.label}")
-        engine = dict(run.engine)
-        if run.kv is not None:
-            engine["kv_transfer_config"] = kv_transfer_config(run.kv)
-        result, _ = run_with(model, sc.workload, **engine)
-        outputs[run.label] = result.outputs
-        m = result.metrics
-        sc.results.append(
-            {
-                "run": run.label,
-                "role": run.role,
-                "wall_s": round(result.wall_s, 2),
-                "preemptions": result.preemptions,
-                "scheduled_tokens": result.scheduled_tokens,
-                "served_tokens": int(
-                    m.get("vllm:kvtier_recompute_tokens_restored", 0)
-                    + m.get("vllm:external_prefix_cache_hits", 0)
-                ),
-            }
-        )
-        progress.update(1)
-    _compare_runs(sc, outputs, lambda a, b: compare_outputs(a, b).identical, "wall_s")
+    best: dict[str, dict[str, Any]] = {}
+    identical = True
+    for _ in range(max(1, repeat)):
+        for run in sc.runs:
+            progress.set_description(f"{sc.name}: {run.label}")
+            row, out = _run_once(model, sc, run, copy_gbps)
+            if run.label in outputs:
+                identical = identical and compare_outputs(outputs[run.label], out).identical
+            outputs.setdefault(run.label, out)
+            if run.label not in best or row["wall_s"] < best[run.label]["wall_s"]:
+                best[run.label] = row
+            progress.update(1)
+    sc.results.extend(best[run.label] for run in sc.runs)
+    _compare_runs(sc, outputs, lambda a, b: identical and compare_outputs(a, b).identical, "wall_s")
+
+
+def _run_once(
+    model: Path, sc: Scenario, run: Run, copy_gbps: float | None
+) -> tuple[dict[str, Any], Any]:
+    """One engine run of ``run``: its result row and its outputs."""
+    from kvtier.demo.timeline import RestoreTimeline
+    from kvtier.testkit import free_llm, kv_transfer_config, make_llm, run_workload
+
+    engine = dict(run.engine)
+    offloading = run.kv is not None and run.kv["kv_connector"] == "OffloadingConnector"
+    if run.kv is not None:
+        engine["kv_transfer_config"] = kv_transfer_config(run.kv)
+    llm = make_llm(model, **engine)
+    timeline = None
+    try:
+        timeline = RestoreTimeline(llm) if offloading else None
+        result = run_workload(llm, sc.workload)
+    finally:
+        if timeline is not None:
+            timeline.close()
+        free_llm(llm)
+    m = result.metrics
+    row: dict[str, Any] = {
+        "run": run.label,
+        "role": run.role,
+        "wall_s": round(result.wall_s, 2),
+        "preemptions": result.preemptions,
+        "scheduled_tokens": result.scheduled_tokens,
+        "served_tokens": int(
+            m.get("vllm:kvtier_recompute_tokens_restored", 0)
+            + m.get("vllm:external_prefix_cache_hits", 0)
+        ),
+    }
+    if timeline is not None and copy_gbps:
+        row["restores"] = timeline.summary(kv_bytes_per_token(), copy_gbps)
+    return row, result.outputs
 
 
 def _compare_runs(
@@ -329,7 +398,7 @@ def _goal(goal: str, value: float | None, limit: float, *, at_most: bool) -> dic
     }
 
 
-def goals(done: dict[str, Scenario]) -> list[dict[str, Any]]:
+def goals(done: dict[str, Scenario], copy_gbps: float | None = None) -> list[dict[str, Any]]:
     """The goals kvtier is held to, each with its measured value (None: not measured)."""
 
     def wall(name: str, role: str, index: int = 0) -> float | None:
@@ -362,25 +431,44 @@ def goals(done: dict[str, Scenario]) -> list[dict[str, Any]]:
             at_most=True,
         ),
     ]
-    ref, alone = wall("prefix", "reference"), wall("prefix", "alone")
-    for index, label, target in ((0, "host tier", 0.8), (1, "host too small + fs tier", 0.5)):
-        kv = wall("prefix", "kvtier", index)
+    for name, index, label, target in (
+        ("prefix", 0, "host tier", 0.9),
+        ("prefix", 1, "host too small + fs tier", 0.5),
+        ("prefix-long", 0, "longer prefixes, chunked prefill, host tier", 0.9),
+    ):
+        ref, alone = wall(name, "reference"), wall(name, "alone")
+        kv = wall(name, "kvtier", index)
         closed = None
         if ref is not None and alone is not None and kv is not None and alone > ref:
             closed = round((alone - kv) / (alone - ref), 3)
         out.append(
             _goal(
-                f"prefix reuse, {label}: share of the gap alone -> reference closed",
+                f"{name}, {label}: share of the gap alone -> reference closed",
                 closed,
                 target,
                 at_most=False,
+            )
+        )
+    for name in ("prefix", "prefix-long"):
+        runs = done[name].results if name in done else []
+        over = [
+            r["restores"]["wall_over_copy"]
+            for r in runs
+            if r.get("restores", {}).get("wall_over_copy") is not None
+        ]
+        out.append(
+            _goal(
+                f"{name}: restore wall time / its bytes at the copy engine's rate (worst run)",
+                max(over) if over else None,
+                2.0,
+                at_most=True,
             )
         )
     out.append(
         _goal(
             "room for everything: kvtier on / off",
             ratio(wall("roomy", "kvtier"), wall("roomy", "reference")),
-            1.05,
+            1.02,
             at_most=True,
         )
     )
@@ -427,19 +515,60 @@ def print_table(done: dict[str, Scenario]) -> None:
             [("match" if r[k] else "DIFFER") if k == "identical" else str(r[k]) for _, k in cols]
             for r in sc.results
         ]
-        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _) in enumerate(cols)]
-        print(
-            "  ".join(
-                h.ljust(w) if i == 0 else h.rjust(w)
-                for i, ((h, _), w) in enumerate(zip(cols, widths))
-            )
-        )
-        for c in cells:
-            print(
-                "  ".join(
-                    v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))
-                )
-            )
+        _print_cells([h for h, _ in cols], cells)
+
+
+def _print_cells(heads: list[str], cells: list[list[str]]) -> None:
+    """A table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    for row in [heads, *cells]:
+        cells_out = [v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells_out))
+
+
+TIMELINE_COLUMNS = [
+    ("run", "run"),
+    ("restores", "restores"),
+    ("in step", "sync"),
+    ("MiB", "restored_mib"),
+    ("lookup->submit ms", "lookup_to_submit_ms"),
+    ("submit->loaded ms", "submit_to_loaded_ms"),
+    ("loaded->scheduled ms", "loaded_to_scheduled_ms"),
+    ("steps waited", "steps_waited_median"),
+    ("restore ms (p50)", "restore_wall_ms"),
+    ("restore s (sum)", "restore_wall_total_s"),
+    ("copy s (sum)", "copy_cost_total_s"),
+    ("x copy", "wall_over_copy"),
+]
+
+
+def print_timeline(done: dict[str, Scenario], copy_gbps: float) -> None:
+    """Per run with restores: medians of the restore phases, and the wall time of
+    restoring beside what its bytes cost at the copy engine's rate."""
+    rows = [
+        {"run": f"{sc.name}: {r['run']}", **r["restores"]}
+        for sc in done.values()
+        for r in sc.results
+        if r.get("restores", {}).get("restores")
+    ]
+    if not rows:
+        return
+    print(
+        f"\n== restores (per request: looked up -> load submitted -> loaded -> scheduled; "
+        f"copy engine {copy_gbps:.1f} GB/s; 'in step': loaded before the step's forward)"
+    )
+    _print_cells(
+        [h for h, _ in TIMELINE_COLUMNS],
+        [[str(r.get(k, "")) for _, k in TIMELINE_COLUMNS] for r in rows],
+    )
+
+
+def warm_up(model: Path) -> None:
+    """One short engine run first: the first engine of a process pays for imports and
+    kernel set-up that later ones do not, and would skew whichever run came first."""
+    from kvtier.testkit import Workload, run_with
+
+    run_with(model, Workload(((5, 6, 7, 8) * 8,), 4), **BASE_ENGINE)
 
 
 def plot(done: dict[str, Scenario], path: Path) -> None:
@@ -479,8 +608,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         nargs="*",
-        choices=("preemption", "prefix", "roomy", "chat"),
+        choices=("preemption", "prefix", "prefix-long", "roomy", "chat"),
         help="workloads to run",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each engine (not chat), taking turns; the fastest is kept (default 1)",
     )
     opts = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -490,18 +625,23 @@ def main(argv: list[str] | None = None) -> int:
 
     model = make_tiny_llama(None, **MODEL_SHAPE)
     log_dir = Path(opts.json).parent if opts.json else Path(tempfile.gettempdir())
+    copy_gbps = measured_copy_gbps()
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-fs-") as fs_root:
         chosen = [s for s in scenarios(fs_root) if not opts.only or s.name in opts.only]
         done: dict[str, Scenario] = {}
-        with tqdm(total=sum(len(s.runs) for s in chosen), unit="run") as progress:
+        if any(not sc.served for sc in chosen):
+            warm_up(model)
+        total = sum(len(s.runs) * (1 if s.served else max(1, opts.repeat)) for s in chosen)
+        with tqdm(total=total, unit="run") as progress:
             for sc in chosen:
                 if sc.served:
                     run_chat_scenario(model, sc, progress, log_dir)
                 else:
-                    run_scenario(model, sc, progress)
+                    run_scenario(model, sc, progress, copy_gbps, opts.repeat)
                 done[sc.name] = sc
     print_table(done)
-    results = goals(done)
+    print_timeline(done, copy_gbps)
+    results = goals(done, copy_gbps)
     print("\n== goals")
     for g in results:
         value = "not measured" if g["value"] is None else g["value"]
@@ -513,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
                 name: {"description": sc.description, "runs": sc.results}
                 for name, sc in done.items()
             },
+            "copy_gbps": round(copy_gbps, 2),
             "goals": results,
         }
         Path(opts.json).parent.mkdir(parents=True, exist_ok=True)

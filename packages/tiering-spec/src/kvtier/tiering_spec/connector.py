@@ -32,7 +32,7 @@ from typing import Any
 from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
 from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
-from kvtier.vllm_port import store_planning
+from kvtier.vllm_port import store_planning, sync_loads
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -84,6 +84,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         groups = getattr(given.get("kv_cache_config"), "kv_cache_groups", None) or ()
         self._fail_requests = len(groups) > 1 and compat.REQUEST_LEVEL_LOAD_FAILURES
         self._failed_recving: set[str] = set()
+        self._held_stores: list[Any] = []  # stores to submit after the synchronous loads
+        self._sync_started: frozenset[int] = frozenset()  # synchronous loads under way
         if OffloadingWorkerMetadata is None:
             return
         worker = getattr(self, "connector_worker", None)
@@ -98,6 +100,17 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             # vLLM updates keys and plans stores for every scheduled request each
             # step; only requests with a new chunk need it.
             store_planning.speed_up(scheduler)
+            # Hits within the step's budget load before its forward pass (vLLM 0.33
+            # does it itself; this is the same for 0.32).
+            spec = manager.spec
+            groups = getattr(getattr(scheduler, "config", None), "kv_group_configs", None)
+            per_block = int(getattr(spec.config, "worker_kv_bytes_per_block", 0) or 0)
+            tokens = int(getattr(groups[0], "tokens_per_block", 0) or 0) if groups else 0
+            sync_loads.enable(
+                scheduler,
+                spec.settings.sync_load_budget_bytes,
+                per_block // tokens if tokens else 0,
+            )
             events = getattr(manager.spec, "kv_events_config", None)
             self._kvtier_events = bool(getattr(events, "enable_kv_cache_events", True))
             transfer = self._vllm_config.kv_transfer_config
@@ -115,6 +128,38 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         spec = self._kvtier_worker_spec
         return None if spec is None else spec._worker
 
+    def handle_preemptions(self, *args: Any, **kwargs: Any) -> None:
+        meta = args[0] if args else kwargs.get("kv_connector_metadata")
+        if self._kvtier_worker_spec is None or meta is None:
+            super().handle_preemptions(*args, **kwargs)
+            return
+        # The step's synchronous loads (see kvtier.vllm_port.sync_loads) start now, while
+        # the worker prepares the step, ahead of the stores deferred from the last step.
+        self._held_stores = sync_loads.hold_stores(self.connector_worker, meta)
+        super().handle_preemptions(*args, **kwargs)
+        self._sync_started = sync_loads.start_sync_loads(self.connector_worker, meta)
+
+    def start_load_kv(self, *args: Any, **kwargs: Any) -> None:
+        if self._kvtier_worker_spec is None:
+            super().start_load_kv(*args, **kwargs)
+            return
+        started, self._sync_started = self._sync_started, frozenset()
+        meta = getattr(self, "_connector_metadata", None)
+        if started and meta is not None:
+            self._connector_metadata = sync_loads.without_jobs(meta, started)
+            try:
+                super().start_load_kv(*args, **kwargs)
+            finally:
+                self._connector_metadata = meta
+            # They end here, before the forward pass that reads them.
+            self.connector_worker.worker.wait(set(started))
+        else:
+            super().start_load_kv(*args, **kwargs)
+            sync_loads.wait_for_sync_loads(self.connector_worker, meta)
+        held, self._held_stores = self._held_stores, []
+        if held:
+            sync_loads.release_stores(self.connector_worker, held)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = super().get_block_ids_with_load_errors()
         worker = self._kvtier_worker()
@@ -126,6 +171,9 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:
+        if self._held_stores:  # a step that ran no start_load_kv: submit them now
+            held, self._held_stores = self._held_stores, []
+            sync_loads.release_stores(self.connector_worker, held)
         worker = self._kvtier_worker()
         if worker is None or not self._fail_requests:
             return super().get_finished(finished_req_ids)

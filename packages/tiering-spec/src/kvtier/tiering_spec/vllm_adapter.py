@@ -174,6 +174,13 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
         super().__init__(*args)
         config = self.config
         self.settings: OffloadConfig = parse_config(self.extra_config, tiering=self.TIERING)
+        # vLLM 0.33's scheduler reads its budget of synchronous loads from here (0 when
+        # unset); kvtier's default applies there too. On 0.32 kvtier's connector does it.
+        if "sync_load_budget_bytes" not in self.extra_config:
+            self.extra_config = {
+                **self.extra_config,
+                "sync_load_budget_bytes": self.settings.sync_load_budget_bytes,
+            }
         parallel = config.parallel
         self.world_size = max(1, int(parallel.world_size))
         self.rank = int(parallel.rank)

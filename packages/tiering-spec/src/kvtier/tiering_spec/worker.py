@@ -142,6 +142,11 @@ class OffloadTransferWorker:
         """Whether a copy job is in flight (submitted, not yet returned as finished)."""
         return bool(self._jobs)
 
+    def copied(self, job_id: int) -> bool:
+        """Whether the copy of ``job_id`` has ended (also for a job not in flight)."""
+        entry = self._jobs.get(job_id)
+        return entry is None or entry[0].done()
+
     def get_finished(self) -> list[FinishedJob]:
         """Jobs finished since the last call."""
         if not self._jobs:
