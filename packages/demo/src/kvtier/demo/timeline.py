@@ -2,7 +2,8 @@
 
 For every load a KV connector makes, four moments (``time.perf_counter`` seconds):
 
-* ``looked_up``: the scheduler's connector first answered a hit for the request;
+* ``looked_up``: the scheduler's connector first answered a hit for the request, or
+  asked to be asked again (a secondary tier's blocks on their way to the host tier);
 * ``submitted``: vLLM allocated its blocks and the connector planned the load (it goes
   to the workers with this step);
 * ``loaded``: the worker's copy is done (a synchronous load: when the copy engine
@@ -70,7 +71,7 @@ class RestoreTimeline:
         def lookup(fn: Any) -> Any:
             def get_num_new_matched_tokens(request: Any, *args: Any, **kwargs: Any) -> Any:
                 hit, load_async = fn(request, *args, **kwargs)
-                if hit:
+                if hit is None or hit:  # None: a hit whose blocks are on their way
                     self._pending_lookup.setdefault(
                         request.request_id, (time.perf_counter(), self._step)
                     )

@@ -23,6 +23,7 @@ generation imports; every class is defined unconditionally at module level.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -113,13 +114,18 @@ def metric_definitions(table: Mapping[str, m.MetricRow]) -> dict[str, Any]:
     return out
 
 
-def manager_stats(rows: Iterator[tuple[str, str, Any, tuple[str, ...]]]) -> Any:
-    """vLLM's ``OffloadingConnectorStats`` of a manager's metric rows, or None."""
+@functools.cache
+def _stats_class() -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         OffloadingConnectorStats,
     )
 
-    stats = OffloadingConnectorStats()
+    return OffloadingConnectorStats
+
+
+def manager_stats(rows: Iterator[tuple[str, str, Any, tuple[str, ...]]]) -> Any:
+    """vLLM's ``OffloadingConnectorStats`` of a manager's metric rows, or None."""
+    stats = _stats_class()()
     for kind, name, value, labels in rows:
         if kind == "counter":
             if value:
