@@ -75,6 +75,8 @@ class RestoreTimeline:
                     self._pending_lookup.setdefault(
                         request.request_id, (time.perf_counter(), self._step)
                     )
+                else:  # nothing to restore after all
+                    self._pending_lookup.pop(request.request_id, None)
                 return hit, load_async
 
             return get_num_new_matched_tokens
