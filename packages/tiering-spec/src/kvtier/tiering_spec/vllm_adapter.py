@@ -151,6 +151,7 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
     """
 
     TIERING = False
+    extra_config: dict[str, Any]  # vLLM's spec sets it: kv_connector_extra_config
 
     def build_secondary_tiers(self) -> tuple[list[SecondaryTier], AttachedRegions | None]:
         """The secondary tiers and the regions they use: none for the CPU spec."""
@@ -173,14 +174,13 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         config = self.config
-        self.settings: OffloadConfig = parse_config(self.extra_config, tiering=self.TIERING)
+        extra: dict[str, Any] = self.extra_config
+        self.settings: OffloadConfig = parse_config(extra, tiering=self.TIERING)
         # vLLM 0.33's scheduler reads its budget of synchronous loads from here (0 when
         # unset); kvtier's default applies there too. On 0.32 kvtier's connector does it.
-        if "sync_load_budget_bytes" not in self.extra_config:
-            self.extra_config = {
-                **self.extra_config,
-                "sync_load_budget_bytes": self.settings.sync_load_budget_bytes,
-            }
+        if "sync_load_budget_bytes" not in extra:
+            sync_budget = self.settings.sync_load_budget_bytes
+            self.extra_config = {**extra, "sync_load_budget_bytes": sync_budget}
         parallel = config.parallel
         self.world_size = max(1, int(parallel.world_size))
         self.rank = int(parallel.rank)
