@@ -120,13 +120,8 @@ class RestoreTimeline:
 
         def loaded(job_id: int) -> None:
             req_id = sync_jobs.pop(job_id, None)
-            if req_id is None:
-                return
-            now = time.perf_counter()
-            for r in reversed(self.restores):
-                if r.req_id == req_id and r.loaded is None:
-                    r.loaded, r.sync = now, True
-                    break
+            if req_id is not None:
+                self._loaded(req_id, time.perf_counter(), sync=True)
 
         def preempting(fn: Any) -> Any:
             def handle_preemptions(meta: Any, *args: Any, **kwargs: Any) -> Any:
@@ -166,10 +161,7 @@ class RestoreTimeline:
                 out = fn(*args, **kwargs)
                 now = time.perf_counter()
                 for req_id in out[1] or ():
-                    for r in reversed(self.restores):
-                        if r.req_id == req_id and r.loaded is None:
-                            r.loaded = now
-                            break
+                    self._loaded(req_id, now, sync=False)
                 return out
 
             return get_finished
@@ -188,6 +180,13 @@ class RestoreTimeline:
             if copier is not None and callable(getattr(copier, "wait", None)):
                 self._wrap(copier, "wait", waited)
                 self._wrap(copier, "submit_load", submitted)
+
+    def _loaded(self, req_id: str, when: float, *, sync: bool) -> None:
+        """The request's latest restore not yet loaded is loaded at ``when``."""
+        for r in reversed(self.restores):
+            if r.req_id == req_id and r.loaded is None:
+                r.loaded, r.sync = when, sync
+                return
 
     def _wrap(self, obj: Any, name: str, make: Any) -> None:
         setattr(obj, name, make(getattr(obj, name)))
