@@ -103,13 +103,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             # Hits within the step's budget load before its forward pass (vLLM 0.33
             # does it itself; this is the same for 0.32).
             spec = manager.spec
-            groups = getattr(getattr(scheduler, "config", None), "kv_group_configs", None)
-            per_block = int(getattr(spec.config, "worker_kv_bytes_per_block", 0) or 0)
-            tokens = int(getattr(groups[0], "tokens_per_block", 0) or 0) if groups else 0
             sync_loads.enable(
                 scheduler,
                 spec.settings.sync_load_budget_bytes,
-                per_block // tokens if tokens else 0,
+                int(getattr(spec.config, "worker_kv_bytes_per_block", 0) or 0),
             )
             events = getattr(manager.spec, "kv_events_config", None)
             self._kvtier_events = bool(getattr(events, "enable_kv_cache_events", True))

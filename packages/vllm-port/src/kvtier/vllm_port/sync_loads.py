@@ -45,13 +45,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.vllm_port.store_planning import _fields
+
 logger = logging.getLogger("kvtier.vllm_port")
 
 META_FIELD = "kvtier_sync_load_jobs"
-
-
-def _fields(cls: Any) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
 
 
 def native(scheduler: Any) -> bool:
@@ -115,12 +113,13 @@ class SyncLoads:
     """The scheduler-side state of :func:`enable`: the step's budget and the
     synchronous load jobs vLLM has not yet seen completed."""
 
-    def __init__(self, scheduler: Any, budget_bytes: int, bytes_per_token: int) -> None:
+    def __init__(self, scheduler: Any, budget_bytes: int, bytes_per_block: int) -> None:
+        group = scheduler.config.kv_group_configs[0]
         self.scheduler = scheduler
         self.budget = budget_bytes
-        self.bytes_per_token = bytes_per_token
-        self.tokens_per_block: int = scheduler.config.kv_group_configs[0].tokens_per_block
-        self.group_idx: int = getattr(scheduler.config.kv_group_configs[0], "group_idx", 0)
+        self.tokens_per_block: int = group.tokens_per_block
+        self.bytes_per_token = bytes_per_block // self.tokens_per_block
+        self.group_idx: int = getattr(group, "group_idx", 0)
         self.step_bytes = 0
         self.step_reqs: set[str] = set()  # requests answered "synchronous" this step
         self.jobs: set[int] = set()  # synchronous load jobs not completed yet
@@ -207,16 +206,17 @@ class SyncLoads:
         return build_connector_meta
 
 
-def enable(scheduler: Any, budget_bytes: int, bytes_per_token: int) -> SyncLoads | None:
+def enable(scheduler: Any, budget_bytes: int, bytes_per_block: int) -> SyncLoads | None:
     """Load hits of up to ``budget_bytes`` per step synchronously on ``scheduler``, an
-    ``OffloadingConnectorScheduler`` of vLLM 0.32 (see the module). Returns the state,
-    or None where it does not apply (budget 0, vLLM's own support, another shape)."""
-    if budget_bytes <= 0 or bytes_per_token <= 0 or native(scheduler):
+    ``OffloadingConnectorScheduler`` of vLLM 0.32 (see the module); ``bytes_per_block``
+    is a worker's KV bytes of one device block. Returns the state, or None where it does
+    not apply (budget 0, vLLM's own support, another shape)."""
+    if budget_bytes <= 0 or bytes_per_block <= 0 or native(scheduler):
         return None
     if not _has_shape(scheduler):
         logger.debug("kvtier: synchronous loads not available for this scheduler")
         return None
-    state = SyncLoads(scheduler, budget_bytes, bytes_per_token)
+    state = SyncLoads(scheduler, budget_bytes, bytes_per_block)
     scheduler.get_num_new_matched_tokens = state.matched(scheduler.get_num_new_matched_tokens)
     scheduler.update_state_after_alloc = state.allocated(scheduler.update_state_after_alloc)
     scheduler.build_connector_meta = state.planned(scheduler.build_connector_meta)
