@@ -326,7 +326,7 @@ def kv_bytes_per_token() -> int:
 
 
 def measured_copy_gbps() -> float:
-    """The copy engine's load rate for the model's KV blocks (GB/s, best of five)."""
+    """The copy engine's load rate for the model's KV blocks (GB/s; see ``copy_rate``)."""
     from kvtier.demo.timeline import copy_rate
 
     per_layer = kv_bytes_per_token() // MODEL_SHAPE["layers"] * BASE_ENGINE["block_size"]
@@ -420,7 +420,7 @@ def _goal(goal: str, value: float | None, limit: float, *, at_most: bool) -> dic
     }
 
 
-def goals(done: dict[str, Scenario], copy_gbps: float | None = None) -> list[dict[str, Any]]:
+def goals(done: dict[str, Scenario]) -> list[dict[str, Any]]:
     """The goals kvtier is held to, each with its measured value (None: not measured)."""
 
     def wall(name: str, role: str, index: int = 0) -> float | None:
@@ -663,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
                 done[sc.name] = sc
     print_table(done)
     print_timeline(done, copy_gbps)
-    results = goals(done, copy_gbps)
+    results = goals(done)
     print("\n== goals")
     for g in results:
         value = "not measured" if g["value"] is None else g["value"]

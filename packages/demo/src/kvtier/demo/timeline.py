@@ -130,13 +130,6 @@ class RestoreTimeline:
 
             return handle_preemptions
 
-        def start_load(fn: Any) -> Any:
-            def start_load_kv(*args: Any, **kwargs: Any) -> Any:
-                note_sync_jobs(getattr(worker, "_connector_metadata", None))
-                return fn(*args, **kwargs)
-
-            return start_load_kv
-
         def submitted(fn: Any) -> Any:
             def submit_load(job_id: int, *args: Any, **kwargs: Any) -> Any:
                 out = fn(job_id, *args, **kwargs)
@@ -173,8 +166,9 @@ class RestoreTimeline:
         inner = getattr(worker, "connector_worker", None)
         copier = getattr(inner, "worker", None)
         if worker is not None:
+            # vLLM's model runner hands every step's metadata to handle_preemptions
+            # first, before any load is submitted.
             self._wrap(worker, "handle_preemptions", preempting)
-            self._wrap(worker, "start_load_kv", start_load)
             if inner is not None and callable(getattr(inner, "get_finished", None)):
                 self._wrap(inner, "get_finished", finished)
             if copier is not None and callable(getattr(copier, "wait", None)):
