@@ -9,7 +9,6 @@ outputs are always those of an engine with room for everything.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +42,8 @@ WORKLOAD = Workload(prefix_prompts(), 8)
 
 
 @pytest.fixture(scope="module")
-def model() -> Path:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    return testkit.make_tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def reference(model: Path) -> Any:
-    result, _ = testkit.run_with(model, WORKLOAD, **ROOMY)
+def reference(tiny_model: Path) -> Any:
+    result, _ = testkit.run_with(tiny_model, WORKLOAD, **ROOMY)
     return result
 
 
@@ -97,8 +90,8 @@ def _applies(seen: dict[str, Any]) -> bool:
     return native or seen["state"] is not None
 
 
-def test_hits_load_inside_the_step_and_outputs_match(model: Path, reference: Any) -> None:
-    result, seen = _run(model, None)
+def test_hits_load_inside_the_step_and_outputs_match(tiny_model: Path, reference: Any) -> None:
+    result, seen = _run(tiny_model, None)
     if not _applies(seen):
         pytest.skip("this vLLM's offloading scheduler is not the shape kvtier extends")
     assert result.metrics.get("vllm:external_prefix_cache_hits", 0) > 0
@@ -110,8 +103,10 @@ def test_hits_load_inside_the_step_and_outputs_match(model: Path, reference: Any
 
 
 @pytest.mark.parametrize("budget", [0, CHUNK_BYTES], ids=["off", "below-one-hit"])
-def test_hits_over_the_budget_load_between_steps(model: Path, reference: Any, budget: int) -> None:
-    result, seen = _run(model, budget)
+def test_hits_over_the_budget_load_between_steps(
+    tiny_model: Path, reference: Any, budget: int
+) -> None:
+    result, seen = _run(tiny_model, budget)
     assert result.metrics.get("vllm:external_prefix_cache_hits", 0) > 0
     assert seen["loads"] == 0 and seen["sync_steps"] == 0, seen
     assert seen["lookups"] and all(seen["lookups"]), seen["lookups"]
@@ -119,9 +114,9 @@ def test_hits_over_the_budget_load_between_steps(model: Path, reference: Any, bu
     assert cmp.identical, cmp.report()
 
 
-def test_a_failed_load_inside_the_step_is_recomputed(model: Path, reference: Any) -> None:
+def test_a_failed_load_inside_the_step_is_recomputed(tiny_model: Path, reference: Any) -> None:
     with failing_copies(loads=True) as refused:
-        result, seen = _run(model, None)
+        result, seen = _run(tiny_model, None)
     if not _applies(seen):
         pytest.skip("this vLLM's offloading scheduler is not the shape kvtier extends")
     assert refused["load"] > 0 and seen["sync_steps"] > 0, (refused.counts, seen)
