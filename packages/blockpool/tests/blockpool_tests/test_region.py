@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 
@@ -226,14 +227,18 @@ def test_attach_with_wait_s_gives_up_with_a_clear_error() -> None:
 
 def test_attach_with_wait_s_does_not_map_a_dead_processs_region() -> None:
     name = unique("stale")
-    path = os.path.join("/dev/shm", "kvtier-" + name)
+    # A folder of its own: any region created meanwhile (a test beside this one, on
+    # another worker) sweeps /dev/shm of stale regions and would take this file away.
+    shm_dir = tempfile.mkdtemp(prefix="test-stale-", dir="/dev/shm")
+    path = os.path.join(shm_dir, "kvtier-" + name)
     with open(path, "wb") as fh:  # what a killed creator leaves: the file, no lock
         fh.truncate(2 * 4096)
     try:
         with pytest.raises(FileNotFoundError, match="no live process"):
-            HostRegion.attach_shared(name, 2, 4096, wait_s=0.2)
+            HostRegion.attach_shared(name, 2, 4096, shm_dir=shm_dir, wait_s=0.2)
         # Without wait_s (the scheduler's lazy attach) it is refused at once, too.
         with pytest.raises(FileNotFoundError, match="no live process holds"):
-            HostRegion.attach_shared(name, 2, 4096)
+            HostRegion.attach_shared(name, 2, 4096, shm_dir=shm_dir)
     finally:
         os.unlink(path)
+        os.rmdir(shm_dir)
