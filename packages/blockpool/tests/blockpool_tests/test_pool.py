@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvtier.blockpool import ALLOCATION_BUCKETS, CacheEvent, Hold, HostBlockPool
@@ -330,3 +332,48 @@ def test_a_failed_hold_or_release_changes_nothing() -> None:
         pool.release([k(0), k(0)], Hold.PROMOTION)  # held once, released twice
     assert pool.holds(k(0), Hold.PROMOTION) == 1 and pool.stats().read_pinned == 1
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_parked_evictions_choose_what_a_full_scan_chooses(seed: int) -> None:
+    """Frecency parks the keys an eviction finds storing or pinned; a pool that scans
+    them every time (parking off) must evict the same keys, call for call, through
+    long runs with most keys storing or pinned (a small host tier writing through)."""
+    rng = random.Random(seed)
+    parked, scanned = HostBlockPool(48), HostBlockPool(48)
+    scanned._parks = False
+    storing: list[list[bytes]] = []
+    loading: list[list[bytes]] = []
+    for step in range(4000):
+        op = rng.random()
+        if op < 0.4:
+            keys = [b"k%d" % rng.randrange(300) for _ in range(rng.randint(1, 6))]
+            a, b = parked.prepare_store(keys), scanned.prepare_store(keys)
+            assert (a is None) == (b is None), step
+            if a is not None and b is not None:
+                assert a.keys == b.keys and a.evicted == b.evicted, step
+                if a.keys:
+                    storing.append(list(a.keys))
+        elif op < 0.55 and storing:
+            batch = storing.pop(rng.randrange(len(storing)))
+            ok = rng.random() < 0.95
+            parked.complete_store(batch, ok)
+            scanned.complete_store(batch, ok)
+        elif op < 0.75:
+            # Loads of the keys eviction would take next: pinned where it looks first.
+            order = parked.policy.keys_in_eviction_order()[: rng.randint(1, 6)]
+            keys = [key for key in order if parked.contains(key)]
+            if keys:
+                assert parked.prepare_load(keys) == scanned.prepare_load(keys)
+                loading.append(keys)
+        elif op < 0.9 and loading:
+            batch = loading.pop(rng.randrange(len(loading)))
+            parked.complete_load(batch)
+            scanned.complete_load(batch)
+        else:
+            keys = [b"k%d" % rng.randrange(300) for _ in range(rng.randint(1, 8))]
+            reused = keys[: rng.randint(0, len(keys))]
+            parked.finish_request(keys, reused)
+            scanned.finish_request(keys, reused)
+        parked.check_invariants()
+    assert parked.policy.keys_in_eviction_order() == scanned.policy.keys_in_eviction_order()

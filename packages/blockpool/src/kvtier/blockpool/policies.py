@@ -294,6 +294,8 @@ class FrecencyPolicy:
         "_lead",
         "_next_tune",
         "_order",
+        "_parked",
+        "_parked_gen",
         "_reuses",
         "_seen",
         "capacity",
@@ -323,6 +325,10 @@ class FrecencyPolicy:
         # Since the last tuning: reuses seen as requests finished, and how many more of
         # them hit than LRU would have hit.
         self._reuses = self._lead = 0
+        # Queued keys an eviction found unevictable (storing or pinned), kept out of the
+        # heap while the pool's generation says no key became evictable since.
+        self._parked: list[tuple[float, int, Key]] = []
+        self._parked_gen: int | None = None
 
     def insert(self, keys: Sequence[Key]) -> None:
         """``keys`` entered the cache; a ghost gets its uses back."""
@@ -390,15 +396,35 @@ class FrecencyPolicy:
         """``key`` left the cache other than by ``evict``; it leaves no ghost."""
         del self._seen[key]
 
-    def evict(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
-        """Take the ``n`` evictable keys of lowest score; they become ghosts.
+    def evict(
+        self,
+        n: int,
+        evictable: Callable[[Key], bool],
+        *,
+        generation: int | None = None,
+        protected: Collection[Key] = (),
+    ) -> list[Key] | None:
+        """Take the ``n`` evictable keys of lowest score, none of ``protected``; they
+        become ghosts.
 
         Returns them lowest first, or ``None`` (changing nothing but the heap's
         queued scores) when fewer than ``n`` keys are evictable.
+
+        With ``generation`` (a count the caller raises whenever a key may have become
+        evictable), keys found unevictable are parked out of the heap until the count
+        changes, so a run of evictions while many keys are storing or pinned does not
+        go over them each time. The keys chosen are the same either way.
         """
         if n <= 0:
             return []
         heap, fresh, seen = self._heap, self._fresh, self._seen
+        parked = self._parked
+        if parked and (generation is None or generation != self._parked_gen):
+            for item in parked:  # some may be evictable now: queue them again
+                heappush(heap, item)
+            parked.clear()
+        self._parked_gen = generation
+        park = parked.append if generation is not None else None
         victims: list[_Entry] = []
         refused: list[tuple[float, int, Key]] = []
         while len(victims) < n and (heap or fresh):
@@ -411,8 +437,12 @@ class FrecencyPolicy:
             if entry.order != item[1]:  # used since it was queued: queue it anew
                 item = entry.item = (entry.uses + entry.clock, entry.order, key)
                 heappush(heap, item)
+            elif key in protected:
+                refused.append(item)
             elif evictable(key):
                 victims.append(entry)
+            elif park is not None:
+                park(item)
             else:
                 refused.append(item)
         for item in refused:
@@ -463,6 +493,7 @@ class FrecencyPolicy:
         heapify(heap)
         self._heap = heap
         self._fresh.clear()
+        self._parked.clear()  # every cached key is queued anew above
 
     def score(self, key: Key) -> float:
         """``key``'s score now (cached keys and ghosts)."""

@@ -31,7 +31,12 @@ from typing import Any, NamedTuple
 
 from kvtier.blockpool.allocator import RunAllocator
 from kvtier.blockpool.budget import require_positive_int
-from kvtier.blockpool.policies import EvictionPolicy, finish_request, make_policy
+from kvtier.blockpool.policies import (
+    EvictionPolicy,
+    FrecencyPolicy,
+    finish_request,
+    make_policy,
+)
 
 FREE, KEYED, OWNED = 0, 1, 2  # KEYED: storing or cached, told apart by the key maps
 
@@ -132,6 +137,10 @@ class HostBlockPool:
             else make_policy(eviction_policy, self.num_blocks, cache_policy_module_path)
         )
         self._alloc = RunAllocator(self.num_blocks)
+        # Frecency parks the keys an eviction finds storing or pinned until this count
+        # (raised whenever a key may have become evictable) changes.
+        self._parks = type(self.policy) is FrecencyPolicy
+        self._released = 0
         # key -> block for cached keys, ~block (< 0) for keys being stored: one map, so
         # finishing a store rewrites a value instead of moving a key between maps.
         self._keys: dict[Any, int] = {}
@@ -226,7 +235,11 @@ class HostBlockPool:
         """
         table = self._keys
         protected = {k for k in request_keys if table.get(k, -1) >= 0}
-        if protected:
+        if self._parks:
+            victims = self.policy.evict(
+                n, self._is_evictable, generation=self._released, protected=protected
+            )
+        elif protected:
             pins = self._load_pins
 
             def evictable(key: Hashable) -> bool:
@@ -259,6 +272,8 @@ class HostBlockPool:
                     table[key] = ~block
                     stored.append(key)
             self._num_storing -= len(stored)
+            if stored:
+                self._released += 1  # readable now: evictable unless pinned
             if stored and self._events_on:
                 self._events.append(CacheEvent("stored", tuple(stored)))
             return
@@ -310,6 +325,7 @@ class HostBlockPool:
             count = pins.get(keys[0], 0)
             if count == 1:
                 del pins[keys[0]]
+                self._released += 1  # unpinned: evictable again
                 return
             if count > 1:
                 pins[keys[0]] = count - 1
@@ -320,6 +336,7 @@ class HostBlockPool:
                 count = pins[key]
                 if count == 1:
                     del pins[key]
+                    self._released += 1  # unpinned: evictable again
                 else:
                     pins[key] = count - 1
                 done += 1
