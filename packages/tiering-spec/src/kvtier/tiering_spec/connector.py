@@ -40,6 +40,12 @@ OffloadingWorkerMetadata = compat.WorkerMetadataBase
 _Base: Any = compat.ConnectorBase
 
 
+# Whether vLLM's connector reports no load errors of its own (vLLM 0.32 and 0.33 keep
+# the base class's empty set): kvtier's failed loads are then the only ones.
+_NO_BASE_LOAD_ERRORS = next(
+    (c for c in _Base.__mro__ if "get_block_ids_with_load_errors" in vars(c)), object
+).__module__.endswith("kv_connector.v1.base")
+
 # The base constructor's parameters (vllm_config, role, kv_cache_config), to name the
 # arguments vLLM passes, by position or by keyword.
 _BASE_INIT = inspect.signature(_Base.__init__)
@@ -86,6 +92,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         self._failed_recving: set[str] = set()
         self._held_stores: list[Any] = []  # stores to submit after the synchronous loads
         self._sync_started: frozenset[int] = frozenset()  # synchronous loads under way
+        self._results_type: Any = None  # vLLM's KVConnectorTransferResults, once seen
         if OffloadingWorkerMetadata is None:
             return
         worker = getattr(self, "connector_worker", None)
@@ -125,6 +132,17 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         spec = self._kvtier_worker_spec
         return None if spec is None else spec._worker
 
+    def _quiet(self) -> bool:
+        """Whether this worker has nothing to submit or report (most steps): vLLM's
+        ``get_finished`` would then find no finished job and report nothing."""
+        worker = self._kvtier_worker()
+        return (
+            worker is not None
+            and worker.quiet
+            and not self._held_stores
+            and not self._failed_recving
+        )
+
     def handle_preemptions(self, *args: Any, **kwargs: Any) -> None:
         meta = args[0] if args else kwargs.get("kv_connector_metadata")
         if self._kvtier_worker_spec is None or meta is None:
@@ -158,8 +176,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             sync_loads.release_stores(self.connector_worker, held)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = super().get_block_ids_with_load_errors()
         worker = self._kvtier_worker()
+        if worker is not None and _NO_BASE_LOAD_ERRORS and not worker.has_failed_loads:
+            return set()  # what vLLM's offloading connector reports
+        errors = super().get_block_ids_with_load_errors()
         if worker is not None and not self._fail_requests and worker.has_failed_loads:
             errors = set(errors)
             # (With request-level failures get_finished takes them as requests.)
@@ -168,6 +188,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:
+        if self._quiet():
+            return set(), set()  # vLLM's, with no finished job (asked every step)
         if self._held_stores:  # a step that ran no start_load_kv: submit them now
             held, self._held_stores = self._held_stores, []
             sync_loads.release_stores(self.connector_worker, held)
@@ -186,7 +208,12 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         return finished
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        empty = self._results_type
+        if empty is not None and self._quiet():
+            return empty()  # nothing finished: vLLM's empty results (asked every step)
         results = super().get_transfer_results(finished_req_ids)
+        if self._kvtier_worker_spec is not None:
+            self._results_type = type(results)
         if self._failed_recving:
             # A failed receive is also a finished one: the request leaves its wait.
             results.failed_recving |= self._failed_recving

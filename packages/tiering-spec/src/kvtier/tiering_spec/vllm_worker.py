@@ -114,6 +114,18 @@ class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type
         return results
 
     @property
+    def quiet(self) -> bool:
+        """Whether there is nothing to report: no job in flight, none skipped, refused or
+        failed and not yet taken (most steps). vLLM's ``get_finished`` then finds nothing."""
+        return not (
+            self.core.busy
+            or self._skipped
+            or self._refused
+            or self._failed_loads
+            or self._failed_stores
+        )
+
+    @property
     def has_failed_loads(self) -> bool:
         """Whether :meth:`take_failed_loads` has something to take."""
         return bool(self._failed_loads)
