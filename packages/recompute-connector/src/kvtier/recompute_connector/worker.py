@@ -92,6 +92,7 @@ class RecomputeOffloadWorker:
         self._loaded: set[str] = set()
         self._failed_loads: set[str] = set()
         self.stats = TransferStats()
+        self._moved = False  # whether self.stats holds anything since take_stats
         self.unsupported = ""  # why the KV tensors could not be registered, if they could not
 
     @property
@@ -180,6 +181,9 @@ class RecomputeOffloadWorker:
 
     def _collect(self) -> None:
         """Wait for this step's copies and record their outcomes."""
+        if not self._pending:
+            return  # no copy this step (most steps)
+        self._moved = True
         pending, self._pending = self._pending, []
         block_bytes = self.engine.layout.block_bytes if self.engine is not None else 0
         for p in pending:
@@ -215,6 +219,8 @@ class RecomputeOffloadWorker:
     def load_errors(self) -> set[int]:
         """Device blocks whose restore failed in this step (vLLM recomputes them)."""
         self._collect()
+        if not self._load_errors:
+            return set()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -230,10 +236,15 @@ class RecomputeOffloadWorker:
     def take_report(self) -> WorkerReport | None:
         """Outcomes of every copy finished since the last call, or None."""
         self._collect()
+        if self._report.is_empty():
+            return None
         report, self._report = self._report, WorkerReport()
-        return None if report.is_empty() else report
+        return report
 
     def take_stats(self) -> TransferStats | None:
+        if not self._moved:
+            return None  # nothing copied since the last call
+        self._moved = False
         stats, self.stats = self.stats, TransferStats()
         return None if stats.is_empty() else stats
 
