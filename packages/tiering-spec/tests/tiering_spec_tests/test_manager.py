@@ -301,7 +301,9 @@ def test_skipping_unchanged_steps_emits_what_computing_every_step_does() -> None
         (rng.randrange(5), rng.sample(keys, rng.randint(1, 3)), rng.random()) for _ in range(400)
     ]
 
-    def steps(every_row: bool) -> list[list[tuple[str, str, object, tuple[str, ...]]]]:
+    def steps(
+        every_row: bool, quiet_first: bool = False
+    ) -> list[list[tuple[str, str, object, tuple[str, ...]]]]:
         mgr = TierManager(HostBlockPool(6), store_threshold=2)
         em = metrics.MetricsEmitter(mgr, tiering=False)
         out = []
@@ -323,10 +325,19 @@ def test_skipping_unchanged_steps_emits_what_computing_every_step_does() -> None
                 mgr.reset(HostBlockPool(6))
             if every_row:
                 em._signed = None  # the reference computes every row, every step
-            out.append(list(em.collect()))
+            if quiet_first:  # as the vLLM manager's get_stats asks
+                gauges = em.quiet_gauges()
+                if gauges is None:
+                    out.append(list(em.collect_changed()))
+                else:
+                    rows = [("gauge", n, v, ()) for n, v in gauges]
+                    out.append([*rows, ("counter", metrics.STORES_SKIPPED, 0, ())])
+            else:
+                out.append(list(em.collect()))
         return out
 
-    quick, full = steps(False), steps(True)
+    quick, full, via_quiet = steps(False), steps(True), steps(False, quiet_first=True)
+    assert via_quiet == quick
     quiet = [
         rows
         for rows in full

@@ -263,6 +263,7 @@ class MetricsEmitter:
         self._last: dict[tuple[str, tuple[str, ...]], float] = {}
         self._gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._signed: tuple[Any, ...] | None = None
+        self._pending: tuple[Any, ...] | None = None  # a signature quiet_gauges found new
 
     def _delta(self, name: str, labels: tuple[str, ...], total: float) -> float:
         key = (name, labels)
@@ -287,6 +288,28 @@ class MetricsEmitter:
             if self.core.admission is not None:
                 yield "counter", STORES_SKIPPED, 0, ()
             return
+        yield from self._changed(signature)
+
+    def quiet_gauges(self) -> list[tuple[str, Any]] | None:
+        """When nothing changed since the last call (most engine steps): the gauges
+        vLLM's manager reports every time, with their values, as :meth:`collect` would
+        yield them (a zero counter adds nothing to vLLM's stats). Otherwise None, and
+        the next :meth:`collect` yields what changed."""
+        signature = self._signature()
+        if signature != self._signed or self.core.counters.allocation_sizes:
+            self._pending = signature
+            return None
+        gauges = self._gauges
+        return [(name, gauges[(name, ())]) for name in ALWAYS_GAUGES]
+
+    def collect_changed(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
+        """:meth:`collect` after :meth:`quiet_gauges` returned None."""
+        signature, self._pending = self._pending, None
+        return self._changed(self._signature() if signature is None else signature)
+
+    def _changed(
+        self, signature: tuple[Any, ...]
+    ) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         self._signed = signature
         gauges = self._gauges
         for row in self._rows():
@@ -336,7 +359,7 @@ class MetricsEmitter:
                 s.writes_dropped,
                 s.evictions,
                 tier.used_bytes,
-                tier.faults(),
+                tier.fault_count,
             )
         return signature
 

@@ -123,6 +123,14 @@ def _stats_class() -> Any:
     return OffloadingConnectorStats
 
 
+def gauge_stats(gauges: list[tuple[str, Any]]) -> Any:
+    """vLLM's ``OffloadingConnectorStats`` holding ``gauges`` (name, value; no labels)."""
+    stats = _stats_class()()
+    for name, value in gauges:
+        stats.set_gauge(name, value)
+    return stats
+
+
 def manager_stats(rows: Iterator[tuple[str, str, Any, tuple[str, ...]]]) -> Any:
     """vLLM's ``OffloadingConnectorStats`` of a manager's metric rows, or None."""
     stats = _stats_class()()

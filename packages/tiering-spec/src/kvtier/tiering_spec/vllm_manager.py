@@ -245,7 +245,11 @@ class KvtierOffloadingManager(OffloadingManager):
         return self._metrics.collect()
 
     def get_stats(self) -> Any:
-        rows = list(self.collect_metrics())
+        metrics = self._metrics
+        quiet = metrics.quiet_gauges()
+        if quiet is not None:  # most steps: only the gauges vLLM's manager always sends
+            return compat.gauge_stats(quiet)
+        rows = list(metrics.collect_changed())
         return compat.manager_stats(iter(rows)) if rows else None
 
     def shutdown(self) -> None:

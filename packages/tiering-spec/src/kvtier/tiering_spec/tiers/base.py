@@ -211,6 +211,11 @@ class SecondaryTier(ABC):
     def faults(self) -> dict[str, int]:
         return dict(self._faults)
 
+    @property
+    def fault_count(self) -> int:
+        """Faults of every kind so far (it grows with each one)."""
+        return sum(self._faults.values())
+
     def take_events(self) -> list[tuple[bool, list[bytes]]]:
         """(removed, keys) pairs since the last call (empty unless events are enabled)."""
         events, self._events = self._events, []
