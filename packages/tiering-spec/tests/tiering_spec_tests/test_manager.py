@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvtier.blockpool import HostBlockPool
+from kvtier.blockpool import Hold, HostBlockPool
 from kvtier.tiering_spec import metrics
 from kvtier.tiering_spec.manager import FRESH_STEPS, Lookup, TierManager
 from kvtier.tiering_spec.tiers import fs_format
@@ -151,6 +151,32 @@ def test_a_promotion_never_evicts_the_keys_its_own_lookup_pass_found(make_tier) 
     assert mgr.lookup(b"a", "r") is Lookup.HIT_PENDING
     assert mgr.pool.contains(b"b") and mgr.pool.contains(b"c")
     assert not mgr.pool.contains(b"x")
+
+
+def test_hits_after_a_pass_first_promotion_are_kept_for_its_next_ones(make_tier) -> None:
+    """The pass holds its cached keys from its first promotion to its end: a host hit
+    found after that promotion is not evicted by the pass's next promotion either."""
+    region = Region(4)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(4, eviction_policy="lru"), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a", b"d", b"c", b"w"])
+    settle(mgr)
+    store(mgr, region, [b"y", b"z"])  # a and d leave the host tier (least recently used)
+    settle(mgr)
+    mgr.touch([b"z", b"y", b"w", b"c"])  # oldest first: c, w, y, z
+    mgr.end_step()
+    assert mgr.lookup(b"y", "r") is Lookup.HIT
+    assert mgr.lookup(b"w", "r") is Lookup.HIT
+    assert mgr.lookup(b"a", "r") is Lookup.HIT_PENDING  # evicts c; y and w held
+    assert not mgr.pool.contains(b"c")
+    assert mgr.lookup(b"z", "r") is Lookup.HIT
+    assert mgr.lookup(b"d", "r") is Lookup.MISS  # y, w, z held, a storing: no room
+    assert mgr.counters.promotion_allocation_failures == 1
+    assert all(mgr.pool.contains(k) for k in (b"y", b"w", b"z"))
+    assert mgr.pool.held(Hold.LOOKUP_PASS) == 3
+    mgr.end_step()
+    assert mgr.pool.held(Hold.LOOKUP_PASS) == 0
+    mgr.pool.check_invariants()
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc", "frecency"])

@@ -118,10 +118,12 @@ class TierManager:
         # tier's "release" result, as the late call may still write into them.
         self._held: set[bytes] = set()
         self._load_sources: OrderedDict[bytes, str] = OrderedDict()
-        # Keys a request's current lookup pass found, held (Hold.LOOKUP_PASS) while the
-        # same pass promotes (else a long prefix evicts its own head).
+        # Keys a request's current lookup pass found; from its first promotion on, the
+        # cached ones are held (Hold.LOOKUP_PASS) until the pass ends (else a long
+        # prefix evicts its own head), released once rather than per promoted key.
         self._pass_req: str | None = None
         self._pass_keys: list[bytes] = []
+        self._pass_held: list[bytes] | None = None
         # Promoted keys held until loaded (Hold.PROMOTION; key -> step of the promotion),
         # and a cap on promoting plus held blocks: half the host tier, the rest for stores.
         self._fresh: OrderedDict[bytes, int] = OrderedDict()
@@ -149,8 +151,8 @@ class TierManager:
         With ``secondary`` False (a request kept to the host tier) a host miss is a MISS.
         """
         if self._pass_req != req_id:
+            self._end_pass()
             self._pass_req = req_id
-            self._pass_keys = []
             self.flush()  # the previous request's promotions
             # Once a pass, not once a key: a read that ends during the pass is a
             # HIT_PENDING, which vLLM asks again next step.
@@ -160,6 +162,9 @@ class TierManager:
         if pool.contains(key):
             self.counters.host_hits += 1
             self._pass_keys.append(key)
+            if self._pass_held is not None:  # this pass promotes: keep it from evicting it
+                pool.hold([key], Hold.LOOKUP_PASS)
+                self._pass_held.append(key)
             return Lookup.HIT
         if pool.is_storing(key):
             if key in self._held:  # a read that timed out: never loaded
@@ -184,13 +189,12 @@ class TierManager:
                 # and pinned blocks are loaded or released within FRESH_STEPS.
                 self.counters.promotions_deferred += 1
                 return Lookup.HIT_PENDING
-            # Only cached keys are held; a key still being stored cannot be evicted.
-            protect = [k for k in self._pass_keys if pool.contains(k)]
-            pool.hold(protect, Hold.LOOKUP_PASS)
-            try:
-                plan = pool.prepare_store([key])
-            finally:
-                pool.release(protect, Hold.LOOKUP_PASS)
+            if self._pass_held is None:
+                # Only cached keys are held; a key still being stored cannot be evicted.
+                protect = [k for k in self._pass_keys if pool.contains(k)]
+                pool.hold(protect, Hold.LOOKUP_PASS)
+                self._pass_held = protect
+            plan = pool.prepare_store([key])
             if plan is None or not plan.keys:
                 self.counters.promotion_allocation_failures += 1
                 return Lookup.MISS
@@ -403,6 +407,13 @@ class TierManager:
         self._expire(self._refused)
         for key in self._expire(self._fresh):
             self.pool.release([key], Hold.PROMOTION)
+        self._end_pass()
+
+    def _end_pass(self) -> None:
+        """Forget the lookup pass, releasing the keys it held for its promotions."""
+        held, self._pass_held = self._pass_held, None
+        if held:
+            self.pool.release(held, Hold.LOOKUP_PASS)
         self._pass_req = None
         self._pass_keys = []
 
@@ -438,8 +449,7 @@ class TierManager:
         """Drop the host tier; fs files are kept. If fs jobs outlive the drain timeout,
         the pool is kept and everything in it evicted but the blocks those jobs use:
         a late read must not land in a block handed out again."""
-        self._pass_req = None
-        self._pass_keys = []
+        self._end_pass()
         if not self.drain(DRAIN_TIMEOUT_S):
             dropped = self.pool.evict_all()
             logger.warning(
