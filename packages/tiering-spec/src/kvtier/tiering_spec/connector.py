@@ -148,6 +148,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         if self._kvtier_worker_spec is None or meta is None:
             super().handle_preemptions(*args, **kwargs)
             return
+        if sync_loads.idle(self.connector_worker, meta):
+            return  # nothing to flush, submit or start (most steps)
         # The step's synchronous loads (see kvtier.vllm_port.sync_loads) start now, while
         # the worker prepares the step, ahead of the stores deferred from the last step.
         self._held_stores = sync_loads.hold_stores(self.connector_worker, meta)
@@ -160,6 +162,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             return
         started, self._sync_started = self._sync_started, frozenset()
         meta = getattr(self, "_connector_metadata", None)
+        if not started and not self._held_stores and sync_loads.idle(self.connector_worker, meta):
+            return  # no load to start and no store to submit (most steps)
         if started and meta is not None:
             self._connector_metadata = sync_loads.without_jobs(meta, started)
             try:

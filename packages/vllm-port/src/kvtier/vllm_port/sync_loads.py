@@ -229,6 +229,19 @@ def _block_ids(spec: Any) -> set[int]:
     return set() if ids is None else {int(b) for b in ids}
 
 
+def idle(connector_worker: Any, metadata: Any) -> bool:
+    """Whether vLLM's ``handle_preemptions`` and ``start_load_kv`` on a worker have
+    nothing to do for ``metadata`` (most steps): no store to flush or deferred from the
+    last step, no load, no synchronous load. Where vLLM's metadata or worker lacks one
+    of these, False (vLLM's own code then runs)."""
+    return not (
+        getattr(metadata, "jobs_to_flush", True)
+        or getattr(metadata, "load_jobs", True)
+        or getattr(metadata, META_FIELD, None)
+        or getattr(connector_worker, "_unsubmitted_store_jobs", True)
+    )
+
+
 def hold_stores(connector_worker: Any, metadata: Any) -> list[Any]:
     """Before vLLM's ``handle_preemptions`` on a worker: take out the stores vLLM
     deferred from the previous step, to submit after this step's synchronous loads
@@ -304,6 +317,7 @@ __all__ = [
     "SyncLoads",
     "enable",
     "hold_stores",
+    "idle",
     "native",
     "release_stores",
     "start_sync_loads",

@@ -1,0 +1,43 @@
+"""sync_loads.idle: a worker step with nothing to flush, submit or start, read from
+vLLM's metadata and worker state (no vLLM needed: plain objects of the same shape)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.vllm_port import sync_loads
+
+
+def _meta(**changed: object) -> SimpleNamespace:
+    fields: dict[str, object] = {"jobs_to_flush": set(), "load_jobs": {}, "store_jobs": {}}
+    fields.update(changed)
+    return SimpleNamespace(**fields)
+
+
+def test_a_step_without_jobs_is_idle() -> None:
+    worker = SimpleNamespace(_unsubmitted_store_jobs=[])
+    assert sync_loads.idle(worker, _meta())
+    # Stores planned this step are deferred by vLLM to the next step: still idle now.
+    assert sync_loads.idle(worker, _meta(store_jobs={1: object()}))
+
+
+@pytest.mark.parametrize(
+    ("meta", "deferred"),
+    [
+        (_meta(jobs_to_flush={3}), []),
+        (_meta(load_jobs={4: object()}), []),
+        (_meta(**{sync_loads.META_FIELD: frozenset({5})}), []),
+        (_meta(), [(6, object(), object())]),
+    ],
+    ids=["flush", "load", "sync-load", "deferred-store"],
+)
+def test_any_job_makes_a_step_busy(meta: SimpleNamespace, deferred: list[object]) -> None:
+    assert not sync_loads.idle(SimpleNamespace(_unsubmitted_store_jobs=deferred), meta)
+
+
+def test_a_shape_it_does_not_know_is_never_idle() -> None:
+    assert not sync_loads.idle(SimpleNamespace(), _meta())  # no deferred-store list
+    assert not sync_loads.idle(SimpleNamespace(_unsubmitted_store_jobs=[]), SimpleNamespace())
+    assert not sync_loads.idle(SimpleNamespace(_unsubmitted_store_jobs=[]), None)
