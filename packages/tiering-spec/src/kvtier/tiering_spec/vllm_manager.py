@@ -92,6 +92,7 @@ class KvtierOffloadingManager(OffloadingManager):
             max_tracker_size=s.max_tracker_size,
         )
         self._metrics = m.MetricsEmitter(self.core, tiering=spec.TIERING)
+        self._hit_sources: dict[str, Any] = {}  # a tier's name -> vLLM's CacheHitSource
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
         if self.spec.no_loads_reason is not None:
@@ -134,7 +135,12 @@ class KvtierOffloadingManager(OffloadingManager):
             logger.warning(msg, *args)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        return compat.PORT.cache_hit_source(self.core.load_source(key))
+        # vLLM asks once per loaded key of every request it admits with a hit.
+        source = self.core.load_source(key)
+        hit_source = self._hit_sources.get(source)
+        if hit_source is None:
+            hit_source = self._hit_sources[source] = compat.PORT.cache_hit_source(source)
+        return hit_source
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         blocks = self.core.prepare_load(list(keys))
