@@ -341,7 +341,7 @@ def test_parked_evictions_choose_what_a_full_scan_chooses(seed: int) -> None:
     long runs with most keys storing or pinned (a small host tier writing through)."""
     rng = random.Random(seed)
     parked, scanned = HostBlockPool(48), HostBlockPool(48)
-    scanned._parks = False
+    scanned._frecency = None
     storing: list[list[bytes]] = []
     loading: list[list[bytes]] = []
     for step in range(4000):

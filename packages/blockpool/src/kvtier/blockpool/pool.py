@@ -139,7 +139,7 @@ class HostBlockPool:
         self._alloc = RunAllocator(self.num_blocks)
         # Frecency parks the keys an eviction finds storing or pinned until this count
         # (raised whenever a key may have become evictable) changes.
-        self._parks = type(self.policy) is FrecencyPolicy
+        self._frecency = self.policy if type(self.policy) is FrecencyPolicy else None
         self._released = 0
         # key -> block for cached keys, ~block (< 0) for keys being stored: one map, so
         # finishing a store rewrites a value instead of moving a key between maps.
@@ -235,8 +235,8 @@ class HostBlockPool:
         """
         table = self._keys
         protected = {k for k in request_keys if table.get(k, -1) >= 0}
-        if self._parks:
-            victims = self.policy.evict(
+        if self._frecency is not None:
+            victims = self._frecency.evict(
                 n, self._is_evictable, generation=self._released, protected=protected
             )
         elif protected:
