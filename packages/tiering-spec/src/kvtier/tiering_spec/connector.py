@@ -132,12 +132,17 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         spec = self._kvtier_worker_spec
         return None if spec is None else spec._worker
 
-    def _quiet(self) -> bool:
+    def _quiet(self, finished_req_ids: set[str]) -> bool:
         """Whether this worker has nothing to submit or report (most steps): vLLM's
-        ``get_finished`` would then find no finished job and report nothing."""
+        ``get_finished`` would then find no finished job and report nothing. Not on a
+        step that finished requests (releases before 0.32 report those as finished
+        sending once their stores are done), nor on one that planned stores (releases
+        before 0.32 queue them in ``get_finished``)."""
         worker = self._kvtier_worker()
         return (
-            worker is not None
+            not finished_req_ids
+            and not getattr(getattr(self, "_connector_metadata", None), "store_jobs", True)
+            and worker is not None
             and worker.quiet
             and not self._held_stores
             and not self._failed_recving
@@ -192,7 +197,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:
-        if self._quiet():
+        if self._quiet(finished_req_ids):
             return set(), set()  # vLLM's, with no finished job (asked every step)
         if self._held_stores:  # a step that ran no start_load_kv: submit them now
             held, self._held_stores = self._held_stores, []
@@ -213,7 +218,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         empty = self._results_type
-        if empty is not None and self._quiet():
+        if empty is not None and self._quiet(finished_req_ids):
             return empty()  # nothing finished: vLLM's empty results (asked every step)
         results = super().get_transfer_results(finished_req_ids)
         if self._kvtier_worker_spec is not None:
