@@ -498,3 +498,87 @@ def test_a_read_the_tier_refuses_is_a_miss_not_a_wait(make_tier) -> None:
     del tier.submit_read  # the tier reads again
     mgr.end_step()
     assert mgr.lookup(b"a", "r") is Lookup.HIT_PENDING, "tried again after FRESH_STEPS"
+
+
+def _prefix_by_lookups(mgr: TierManager, keys: list[bytes], req: str) -> tuple[int, list[bool]]:
+    flags = []
+    for key in keys:
+        answer = mgr.lookup(key, req)
+        if answer is Lookup.MISS:
+            break
+        flags.append(answer is Lookup.HIT)
+    return len(flags), flags
+
+
+def _state(mgr: TierManager, keys: list[bytes]) -> tuple[object, ...]:
+    pool = mgr.pool
+    return (
+        [(pool.contains(k), pool.is_storing(k)) for k in keys],
+        [pool.held(h) for h in Hold],
+        vars(mgr.counters).copy(),
+        sorted(mgr._promoting),
+    )
+
+
+def test_a_prefix_looked_up_in_one_call_is_what_key_by_key_lookups_find() -> None:
+    """lookup_prefix (vLLM's prefix lookup in one call) answers, holds and counts what
+    lookup() key by key up to the first miss does, on twin host tiers."""
+    rng = random.Random(5)
+    universe = [bytes([i]) for i in range(24)]
+    twins = [TierManager(HostBlockPool(8)), TierManager(HostBlockPool(8))]
+    stored: list[bytes] = []
+    fast = 0
+    for step in range(600):
+        if rng.random() < 0.4:
+            keys = rng.sample(universe, rng.randint(1, 4))
+            complete = rng.random() < 0.9
+            for mgr in twins:
+                if mgr.prepare_store(keys) is not None:
+                    pending = [k for k in keys if mgr.pool.is_storing(k)]
+                    if complete:
+                        mgr.complete_store(pending)
+            stored = keys + stored[:4]
+        else:
+            # Mostly what was stored lately (cached prefixes), then anything.
+            keys = stored[: rng.randint(0, len(stored))]
+            keys += [k for k in rng.sample(universe, rng.randint(0, 4)) if k not in keys]
+            a, b = twins
+            found, ready = a.lookup_prefix(keys, f"r{step}")
+            want_found, flags = _prefix_by_lookups(b, keys, f"r{step}")
+            assert found == want_found
+            assert ready == (None if all(flags) else flags)
+            fast += ready is None and found > 1
+        for mgr in twins:
+            mgr.end_step()
+        assert _state(twins[0], universe) == _state(twins[1], universe), step
+    assert fast > 50, "the workload must find cached prefixes"
+    for mgr in twins:
+        mgr.pool.check_invariants()
+
+
+def test_a_prefix_looked_up_in_one_call_holds_its_hits_from_its_first_promotion(
+    make_tier,
+) -> None:
+    """The scenario of the test above it, as one lookup_prefix call: hits before and
+    after the pass's first promotion are held, and the pass's second promotion finds
+    no room (a miss that ends the prefix)."""
+    region = Region(4)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(4, eviction_policy="lru"), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a", b"d", b"c", b"w"])
+    settle(mgr)
+    store(mgr, region, [b"y", b"z"])
+    settle(mgr)
+    mgr.touch([b"z", b"y", b"w", b"c"])
+    mgr.end_step()
+    assert mgr.lookup_prefix([b"y", b"w", b"a", b"z", b"d", b"c"], "r") == (
+        4,
+        [True, True, False, True],
+    )
+    assert not mgr.pool.contains(b"c")
+    assert mgr.counters.promotion_allocation_failures == 1
+    assert mgr.counters.host_queries == 5 and mgr.counters.host_hits == 3
+    assert mgr.pool.held(Hold.LOOKUP_PASS) == 3
+    mgr.end_step()
+    assert mgr.pool.held(Hold.LOOKUP_PASS) == 0
+    mgr.pool.check_invariants()

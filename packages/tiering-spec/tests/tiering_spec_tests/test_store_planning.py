@@ -1,10 +1,11 @@
 """kvtier's quicker scheduler-side steps plan exactly what vLLM's own do.
 
 :mod:`kvtier.vllm_port.store_planning` skips, per step, the requests that cannot store
-and the key updates that find no new hash. Here a real engine runs a workload with
-prefix reuse, preemptions and stores during decode twice, with and without it, and every
-step's connector metadata (store and load jobs with their blocks, jobs to flush) must be
-the same.
+and the key updates that find no new hash; :mod:`kvtier.vllm_port.lookups` looks a
+prefix up in one call and answers a one-tier hit's sources at once. Here a real engine
+runs a workload with prefix reuse, preemptions and stores during decode twice, with and
+without them, and every step's connector metadata (store and load jobs with their
+blocks, jobs to flush) and every hit's split by tier must be the same.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ pytest.importorskip("vllm")
 
 from kvtier.testkit import Workload, free_llm, make_llm, run_workload  # noqa: E402
 from kvtier.testkit.engine import kv_connector_of  # noqa: E402
-from kvtier.vllm_port import store_planning  # noqa: E402
+from kvtier.vllm_port import lookups, store_planning  # noqa: E402
 
 # 4 requests of 160 prompt tokens decoding 48 tokens each need 28 blocks; 16 preempt.
 TIGHT = {**ENGINE, "max_num_seqs": 4, "num_gpu_blocks_override": 16}
@@ -74,11 +75,20 @@ def _plans(model: Path, prompt_only: bool) -> tuple[list[Any], list[list[int]], 
             return meta
 
         connector.build_connector_meta = recorded
+        sources = connector.get_external_cache_hit_sources
+
+        def split(request: Any, num_external_tokens: int) -> Any:
+            found = sources(request, num_external_tokens)
+            steps.append(("sources", request.request_id.split("-")[0], found))
+            return found
+
+        connector.get_external_cache_hit_sources = split
+        one_call = "_maximal_prefix_lookup" in vars(scheduler)
         result = run_workload(llm, WORKLOAD)
     finally:
         free_llm(llm)
     assert result.preemptions > 0, "the workload must preempt"
-    return steps, result.outputs, quick
+    return steps, result.outputs, quick and one_call
 
 
 @pytest.mark.parametrize("prompt_only", [True, False], ids=["prompt-only", "decode-stores"])
@@ -90,10 +100,13 @@ def test_quick_steps_plan_what_vllm_plans(
         pytest.skip("this vLLM's offloading scheduler is not the shape kvtier speeds up")
     with monkeypatch.context() as mp:
         mp.setattr(store_planning, "speed_up", lambda scheduler: False)
+        mp.setattr(lookups, "speed_up", lambda scheduler: (False, False))
         vllm_steps, vllm_out, applied_again = _plans(model, prompt_only)
     assert not applied_again
-    assert any(stores for stores, _, _ in vllm_steps), "the workload must store"
-    assert any(loads for _, loads, _ in vllm_steps), "the workload must load"
+    plans = [step for step in vllm_steps if step[0] != "sources"]
+    assert any(stores for stores, _, _ in plans), "the workload must store"
+    assert any(loads for _, loads, _ in plans), "the workload must load"
+    assert any(step[0] == "sources" and step[2] for step in vllm_steps), "hits must split"
     assert len(quick_steps) == len(vllm_steps), "the two runs took different numbers of steps"
     for step, (quick, vllm) in enumerate(zip(quick_steps, vllm_steps)):
         assert quick == vllm, f"step {step}: kvtier planned {quick}, vLLM {vllm}"

@@ -32,7 +32,7 @@ from typing import Any
 from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
 from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
-from kvtier.vllm_port import store_planning, sync_loads
+from kvtier.vllm_port import lookups, store_planning, sync_loads
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -107,6 +107,9 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             # vLLM updates keys and plans stores for every scheduled request each
             # step; only requests with a new chunk need it.
             store_planning.speed_up(scheduler)
+            # vLLM looks an arriving request's prefix up, and its hit's tiers, key by
+            # key; kvtier's manager answers a prefix in one call.
+            lookups.speed_up(scheduler)
             # Hits within the step's budget load before its forward pass (vLLM 0.33
             # does it itself; this is the same for 0.32).
             spec = manager.spec

@@ -209,6 +209,36 @@ class TierManager:
             return Lookup.HIT_PENDING
         return Lookup.HIT_PENDING if unknown else Lookup.MISS
 
+    def lookup_prefix(
+        self, keys: Sequence[bytes], req_id: str = "", *, secondary: bool = True
+    ) -> tuple[int, list[bool] | None]:
+        """:meth:`lookup` of ``keys`` in order up to the first MISS: how many keys lead
+        up to it, and None when all of them are HIT, else whether each is HIT (False:
+        HIT_PENDING). Cached keys are answered here, without a call each."""
+        found = 0
+        ready: list[bool] | None = None
+        pool = self.pool
+        counters = self.counters
+        for key in keys:
+            if found and self._pass_held is None and pool.contains(key):
+                # lookup()'s first answer, for a request whose pass has begun and holds
+                # nothing (it has not promoted): a HIT.
+                counters.host_queries += 1
+                counters.host_hits += 1
+                self._pass_keys.append(key)
+                hit = True
+            else:
+                answer = self.lookup(key, req_id, secondary=secondary)
+                if answer is Lookup.MISS:
+                    break
+                hit = answer is Lookup.HIT
+            if ready is not None:
+                ready.append(hit)
+            elif not hit:
+                ready = [True] * found + [False]
+            found += 1
+        return found, ready
+
     def _digest(self, key: bytes) -> bytes:
         digest = self._digests.get(key)
         if digest is None:

@@ -5,7 +5,7 @@ which tiers it may use)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.kv_offload.base import (
@@ -103,6 +103,21 @@ class KvtierOffloadingManager(OffloadingManager):
             self._pass_secondary = self._secondary(req_context)
         return compat.lookup_result(
             self.core.lookup(key, req_context.req_id, secondary=self._pass_secondary)
+        )
+
+    def lookup_prefix(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext
+    ) -> tuple[int, list[bool] | None]:
+        """:meth:`lookup` of ``keys`` in order up to the first miss, in one call (see
+        :mod:`kvtier.vllm_port.lookups`): how many keys lead up to it, and None when all
+        are hits, else whether each is a hit (False: pending). Never "retry"."""
+        if self.spec.no_loads_reason is not None:
+            return 0, None
+        if req_context is not self._pass_context:
+            self._pass_context = req_context
+            self._pass_secondary = self._secondary(req_context)
+        return self.core.lookup_prefix(
+            cast(Sequence[bytes], keys), req_context.req_id, secondary=self._pass_secondary
         )
 
     def note_new_request(self, req_id: str, has_lora: bool) -> None:

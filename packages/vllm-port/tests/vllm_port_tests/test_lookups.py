@@ -1,0 +1,147 @@
+"""kvtier's one-call prefix lookups and one-tier hit sources answer what vLLM's own
+methods answer.
+
+Each test builds vLLM's real ``OffloadingConnectorScheduler`` object without its
+constructor, gives it the few attributes the two methods read, and compares vLLM's
+method with :mod:`kvtier.vllm_port.lookups`'s on the same object, over random inputs.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+scheduler_mod = pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+)
+
+from kvtier.vllm_port import lookups  # noqa: E402
+
+Scheduler = scheduler_mod.OffloadingConnectorScheduler
+LookupResult = scheduler_mod.LookupResult
+CacheHitSource = scheduler_mod.CacheHitSource
+
+
+class _Tracker:
+    def __init__(self) -> None:
+        self.self_describing_enabled = True
+        self.recorded: list[tuple[Any, ...]] = []
+
+    def record_lookup(self, req: Any, group_config: Any, chunk_idx: int, key: Any) -> None:
+        self.recorded.append((req, group_config, chunk_idx, key))
+
+
+class _Manager:
+    """Answers from a fixed map; ``lookup_prefix`` is the contract kvtier's managers
+    keep (keys up to the first miss; None when all hit, else a flag per key)."""
+
+    def __init__(self, answers: dict[Any, Any], sources: dict[Any, str]) -> None:
+        self.answers = answers
+        self.sources = sources
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        return self.answers.get(key, LookupResult.MISS)
+
+    def lookup_prefix(self, keys: list[Any], req_context: Any) -> tuple[int, list[bool] | None]:
+        flags: list[bool] = []
+        for key in keys:
+            answer = self.lookup(key, req_context)
+            if answer is LookupResult.MISS:
+                break
+            flags.append(answer is LookupResult.HIT)
+        return len(flags), None if all(flags) else flags
+
+    def get_load_source(self, key: Any, req_context: Any) -> str:
+        return self.sources[key]
+
+
+def _scheduler(manager: _Manager, statuses: dict[str, Any] | None = None) -> Any:
+    scheduler = object.__new__(Scheduler)
+    scheduler.manager = manager
+    scheduler._events_tracker = _Tracker()
+    scheduler._req_status = statuses or {}
+    return scheduler
+
+
+def test_prefix_lookups_answer_and_record_what_vllm_does() -> None:
+    rng = random.Random(7)
+    answers = (LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS)
+    for trial in range(400):
+        keys = [f"k{trial}-{i}" for i in range(rng.randint(0, 12))]
+        weights = rng.choice([(10, 0, 1), (6, 2, 1), (1, 1, 1)])
+        table = {k: rng.choices(answers, weights)[0] for k in keys}
+        start = rng.randint(0, 5)
+        theirs, ours = _scheduler(_Manager(table, {})), _scheduler(_Manager(table, {}))
+        assert lookups.batch_prefix_lookups(ours)
+        want = Scheduler._maximal_prefix_lookup(theirs, keys, "ctx", "req", "group", start)
+        got = ours._maximal_prefix_lookup(iter(keys), "ctx", "req", "group", start)
+        assert got == want, (table, keys)
+        assert ours._events_tracker.recorded == theirs._events_tracker.recorded
+
+
+def test_prefix_lookups_record_nothing_where_vllm_records_nothing() -> None:
+    keys = ["a", "b"]
+    scheduler = _scheduler(_Manager(dict.fromkeys(keys, LookupResult.HIT), {}))
+    scheduler._events_tracker.self_describing_enabled = False
+    scheduler._events_tracker.record_lookup = lambda *a: pytest.fail("recorded")
+    assert lookups.batch_prefix_lookups(scheduler)
+    assert scheduler._maximal_prefix_lookup(keys, "ctx", "req", "group", 0) == 2
+
+
+def test_prefix_lookups_need_a_manager_that_answers_a_prefix() -> None:
+    manager = SimpleNamespace(lookup=lambda key, ctx: LookupResult.HIT)
+    scheduler = _scheduler(manager)  # type: ignore[arg-type]
+    assert not lookups.batch_prefix_lookups(scheduler)
+    assert "_maximal_prefix_lookup" not in vars(scheduler)
+
+
+def _status(rng: random.Random, keys: list[str]) -> SimpleNamespace:
+    local = rng.choice([0, 16, 32])
+    ranges = []
+    pos = local - rng.choice([0, 0, 16])
+    for key in keys:
+        lo = pos + rng.choice([0, 0, 0, 0, 8, -8])
+        hi = lo + rng.choice([16, 16, 16, 8, 32])
+        ranges.append((lo, hi, key))
+        pos = hi
+    if rng.random() < 0.2:
+        rng.shuffle(ranges)
+    return SimpleNamespace(
+        num_locally_computed_tokens=local, load_key_ranges=ranges, req_context="c"
+    )
+
+
+def _counted(sweep: Any, calls: list[int]) -> Any:
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return sweep(*args)
+
+    return counted
+
+
+def test_hit_sources_are_what_vllm_sweeps() -> None:
+    rng = random.Random(11)
+    tiers = [CacheHitSource.HOST, CacheHitSource.DISK, "host", "disk"]
+    fast = 0
+    for trial in range(600):
+        keys = [f"k{trial}-{i}" for i in range(rng.randint(0, 6))]
+        one = rng.random() < 0.6
+        first = rng.choice(tiers)
+        sources = {k: first if one else rng.choice(tiers) for k in keys}
+        status = _status(rng, keys)
+        n = rng.choice([0, 8, 16, 24, 32, 48, 64, 100])
+        request = SimpleNamespace(request_id="r")
+        theirs = _scheduler(_Manager({}, sources), {"r": status})
+        ours = _scheduler(_Manager({}, sources), {"r": status})
+        sweeps: list[int] = []
+        ours.get_external_cache_hit_sources = _counted(ours.get_external_cache_hit_sources, sweeps)
+        assert lookups.single_source_hits(ours)
+        want = Scheduler.get_external_cache_hit_sources(theirs, request, n)
+        got = ours.get_external_cache_hit_sources(request, n)
+        assert got == want, (status, sources, n)
+        assert all(isinstance(k, CacheHitSource) for k in got)
+        fast += not sweeps and n > 0
+    assert fast > 100, "the one-tier answer must be taken for most one-tier hits"
