@@ -41,3 +41,12 @@ def test_a_shape_it_does_not_know_is_never_idle() -> None:
     assert not sync_loads.idle(SimpleNamespace(), _meta())  # no deferred-store list
     assert not sync_loads.idle(SimpleNamespace(_unsubmitted_store_jobs=[]), SimpleNamespace())
     assert not sync_loads.idle(SimpleNamespace(_unsubmitted_store_jobs=[]), None)
+
+
+def test_planned_stores_are_read_from_the_metadata_and_assumed_where_unknown() -> None:
+    from kvtier.vllm_port import store_planning
+
+    assert not store_planning.plans_stores(SimpleNamespace(store_jobs={}))
+    assert store_planning.plans_stores(SimpleNamespace(store_jobs={1: object()}))
+    assert store_planning.plans_stores(SimpleNamespace())  # no such field: assume some
+    assert store_planning.plans_stores(None)

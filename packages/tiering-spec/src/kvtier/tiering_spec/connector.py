@@ -144,7 +144,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         worker = self._kvtier_worker()
         return (
             not finished_req_ids
-            and not getattr(getattr(self, "_connector_metadata", None), "store_jobs", True)
+            and not store_planning.plans_stores(getattr(self, "_connector_metadata", None))
             and worker is not None
             and worker.quiet
             and not self._held_stores

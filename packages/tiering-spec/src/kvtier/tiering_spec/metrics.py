@@ -279,22 +279,20 @@ class MetricsEmitter:
 
         vLLM asks for them every engine step; on most steps nothing changed, and then
         there is nothing for vLLM to aggregate and export."""
-        signature = self._signature()
-        if signature == self._signed and not self.core.counters.allocation_sizes:
-            # What vLLM's manager reports every time: its usage gauges (and its
-            # stores-skipped counter, where a store threshold is set).
-            for name in ALWAYS_GAUGES:
-                yield "gauge", name, self._gauges[(name, ())], ()
-            if self.core.admission is not None:
-                yield "counter", STORES_SKIPPED, 0, ()
+        quiet = self.quiet_gauges()
+        if quiet is None:
+            yield from self.collect_changed()
             return
-        yield from self._changed(signature)
+        for name, value in quiet:
+            yield "gauge", name, value, ()
+        if self.core.admission is not None:
+            yield "counter", STORES_SKIPPED, 0, ()
 
     def quiet_gauges(self) -> list[tuple[str, Any]] | None:
         """When nothing changed since the last call (most engine steps): the gauges
         vLLM's manager reports every time, with their values, as :meth:`collect` would
         yield them (a zero counter adds nothing to vLLM's stats). Otherwise None, and
-        the next :meth:`collect` yields what changed."""
+        :meth:`collect_changed` yields what changed."""
         signature = self._signature()
         if signature != self._signed or self.core.counters.allocation_sizes:
             self._pending = signature

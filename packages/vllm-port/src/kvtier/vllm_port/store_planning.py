@@ -252,4 +252,16 @@ def has_worker_news(scheduler: Any, connector_output: Any) -> bool:
     return getattr(scheduler, "_step_region", None) is not None
 
 
-__all__ = ["has_worker_news", "plan_stores_for_candidates", "speed_up", "update_keys_when_new"]
+def plans_stores(metadata: Any) -> bool:
+    """Whether a step's connector ``metadata`` plans stores (vLLM releases before 0.32
+    queue them in the worker's ``get_finished``); True where it has no such field."""
+    return bool(getattr(metadata, "store_jobs", True))
+
+
+__all__ = [
+    "has_worker_news",
+    "plan_stores_for_candidates",
+    "plans_stores",
+    "speed_up",
+    "update_keys_when_new",
+]

@@ -40,6 +40,7 @@ with one group.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import sys
 from collections.abc import Callable
@@ -165,11 +166,13 @@ class SyncLoads:
                 group[i] = _Fresh(group[i])
             shown[self.group_idx] = group
             jobs: dict[int, Any] = self.scheduler._current_batch_load_jobs
-            before = set(jobs)
+            count = len(jobs)
             result = after_alloc(request, _Blocks(tuple(shown)), num_external_tokens)
-            new = set(jobs) - before
-            self.jobs |= new
-            self.loads += len(new)
+            # vLLM adds the request's load job to the step's (an insertion-ordered dict).
+            added = len(jobs) - count
+            if added > 0:
+                self.jobs.update(itertools.islice(reversed(jobs), added))
+                self.loads += added
             return result
 
         return update_state_after_alloc
