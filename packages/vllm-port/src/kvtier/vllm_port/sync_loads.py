@@ -102,7 +102,7 @@ class _Fresh:
 
 
 class _Blocks:
-    """``KVCacheBlocks`` with the blocks of a synchronous hit shown as not hashed."""
+    """``KVCacheBlocks`` with the start of a synchronous hit shown as not hashed."""
 
     __slots__ = ("blocks",)
 
@@ -162,8 +162,13 @@ class SyncLoads:
             first, end = local // size, -(-(local + num_external_tokens) // size)
             shown = list(blocks.blocks)
             group = list(shown[self.group_idx])
+            # vLLM's planner loads from the first block of the hit that is not null and
+            # has no hash: only the blocks up to that one need to be shown unhashed.
             for i in range(first, min(end, len(group))):
-                group[i] = _Fresh(group[i])
+                block = group[i]
+                group[i] = _Fresh(block)
+                if not block.is_null:
+                    break
             shown[self.group_idx] = group
             jobs: dict[int, Any] = self.scheduler._current_batch_load_jobs
             count = len(jobs)
