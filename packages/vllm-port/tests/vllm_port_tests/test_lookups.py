@@ -58,15 +58,39 @@ class _Manager:
         return self.sources[key]
 
 
-def _scheduler(manager: _Manager, statuses: dict[str, Any] | None = None) -> Any:
-    scheduler = object.__new__(Scheduler)
+def _scheduler(
+    manager: _Manager, statuses: dict[str, Any] | None = None, cls: type = Scheduler
+) -> Any:
+    scheduler = object.__new__(cls)
     scheduler.manager = manager
     scheduler._events_tracker = _Tracker()
     scheduler._req_status = statuses or {}
     return scheduler
 
 
-def test_prefix_lookups_answer_and_record_what_vllm_does() -> None:
+class _RecordsPending(Scheduler):  # type: ignore[misc,valid-type]
+    """vLLM 0.33's prefix loop, which records a KV event for a pending key too (0.32
+    records hits only), written here for a vLLM 0.32 environment."""
+
+    def _maximal_prefix_lookup(  # type: ignore[override]
+        self, keys: Any, req_context: Any, req: Any, group_config: Any, start_chunk_idx: int
+    ) -> int | None:
+        found, deferred = 0, False
+        for i, key in enumerate(keys):
+            answer = self.manager.lookup(key, req_context)
+            if answer is LookupResult.MISS:
+                break
+            if answer is LookupResult.RETRY:
+                deferred = True
+                continue
+            self._events_tracker.record_lookup(req, group_config, start_chunk_idx + i, key)
+            found += 1
+            deferred |= answer is LookupResult.HIT_PENDING
+        return None if deferred else found
+
+
+@pytest.mark.parametrize("cls", [Scheduler, _RecordsPending], ids=["vllm-0.32", "pending-too"])
+def test_prefix_lookups_answer_and_record_what_vllm_does(cls: type) -> None:
     rng = random.Random(7)
     answers = (LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS)
     for trial in range(400):
@@ -74,12 +98,24 @@ def test_prefix_lookups_answer_and_record_what_vllm_does() -> None:
         weights = rng.choice([(10, 0, 1), (6, 2, 1), (1, 1, 1)])
         table = {k: rng.choices(answers, weights)[0] for k in keys}
         start = rng.randint(0, 5)
-        theirs, ours = _scheduler(_Manager(table, {})), _scheduler(_Manager(table, {}))
+        theirs = _scheduler(_Manager(table, {}), cls=cls)
+        ours = _scheduler(_Manager(table, {}), cls=cls)
         assert lookups.batch_prefix_lookups(ours)
-        want = Scheduler._maximal_prefix_lookup(theirs, keys, "ctx", "req", "group", start)
+        want = cls._maximal_prefix_lookup(theirs, keys, "ctx", "req", "group", start)
         got = ours._maximal_prefix_lookup(iter(keys), "ctx", "req", "group", start)
         assert got == want, (table, keys)
         assert ours._events_tracker.recorded == theirs._events_tracker.recorded
+
+
+def test_prefix_lookups_keep_vllms_loop_where_it_cannot_be_probed() -> None:
+    class Unknown(Scheduler):  # type: ignore[misc,valid-type]
+        def _maximal_prefix_lookup(  # type: ignore[override]
+            self, keys: Any, req_context: Any, req: Any, group_config: Any, start_chunk_idx: int
+        ) -> int | None:
+            raise RuntimeError("needs state a probe does not have")
+
+    scheduler = _scheduler(_Manager({}, {}), cls=Unknown)
+    assert not lookups.batch_prefix_lookups(scheduler)
 
 
 def test_prefix_lookups_record_nothing_where_vllm_records_nothing() -> None:

@@ -12,7 +12,9 @@ calls per key on the scheduler's thread, for every request it admits.
   req_context)``, ``_maximal_prefix_lookup`` asks it once: it returns how many keys lead
   up to the first miss, and ``None`` when all of them are hits, else a flag per key
   (True: a hit; False: pending). That is vLLM's loop for a manager that never answers
-  ``RETRY`` (kvtier's managers never do); the events tracker records the same hits.
+  ``RETRY`` (kvtier's managers never do). The events tracker records what vLLM's loop
+  records: vLLM 0.32 records hits, 0.33 hits and pending keys; which one runs here is
+  asked of vLLM's own method once, on a probe.
 * **One source for a hit served by one tier.** Where every loaded range of the
   request, clipped to the hit, comes from one tier, and the ranges cover the hit in
   order, the answer is that tier for every token, which is what vLLM's sweep finds; any
@@ -53,18 +55,52 @@ def speed_up(scheduler: Any) -> tuple[bool, bool]:
     return batch_prefix_lookups(scheduler), single_source_hits(scheduler)
 
 
+class _Probe:
+    """A manager with one answer and a tracker that keeps what it is told."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.recorded: list[Any] = []
+        self.self_describing_enabled = True
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        return self.answer
+
+    def record_lookup(self, req: Any, group_config: Any, chunk_idx: int, key: Any) -> None:
+        self.recorded.append(key)
+
+
+def _records(cls: type, answer: Any) -> bool | None:
+    """Whether vLLM's ``_maximal_prefix_lookup`` of ``cls`` records a KV event for a key
+    the manager answers ``answer``; None where it cannot be asked."""
+    probe = _Probe(answer)
+    try:
+        scheduler: Any = object.__new__(cls)
+        scheduler.manager = probe
+        scheduler._events_tracker = probe
+        cls._maximal_prefix_lookup(scheduler, ["probe"], None, None, None, 0)  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    return bool(probe.recorded)
+
+
 def batch_prefix_lookups(scheduler: Any) -> bool:
     """``_maximal_prefix_lookup`` through the manager's ``lookup_prefix``."""
     cls = type(scheduler)
     lookup_prefix = getattr(getattr(scheduler, "manager", None), "lookup_prefix", None)
     tracker = getattr(scheduler, "_events_tracker", None)
     record = getattr(tracker, "record_lookup", None)
+    answers = getattr(sys.modules.get(cls.__module__), "LookupResult", None)
     if (
         lookup_prefix is None
+        or answers is None
         or not callable(record)
         or _params(cls, "_maximal_prefix_lookup") != _PREFIX_PARAMS
     ):
         return False
+    hits, pending = _records(cls, answers.HIT), _records(cls, answers.HIT_PENDING)
+    if hits is not True or pending is None:
+        return False  # a loop this module does not know
 
     def _maximal_prefix_lookup(
         keys: Any, req_context: Any, req: Any, group_config: Any, start_chunk_idx: int
@@ -74,7 +110,7 @@ def batch_prefix_lookups(scheduler: Any) -> bool:
         # (vLLM's tracker records nothing unless its events describe themselves.)
         if found and getattr(tracker, "self_describing_enabled", True):
             for i in range(found):
-                if ready is None or ready[i]:
+                if ready is None or pending or ready[i]:
                     record(req, group_config, start_chunk_idx + i, keys[i])
         return found if ready is None else None
 
