@@ -97,13 +97,17 @@ class KvtierOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
         if self.spec.no_loads_reason is not None:
             return compat.lookup_result(Lookup.MISS)
-        # vLLM looks a request's keys up one by one: its tiers are read once a pass.
+        return compat.lookup_result(
+            self.core.lookup(key, req_context.req_id, secondary=self._pass_tiers(req_context))
+        )
+
+    def _pass_tiers(self, req_context: ReqContext) -> bool:
+        """Whether the request being looked up may use the secondary tiers, read once a
+        pass (vLLM looks a request's keys up one by one)."""
         if req_context is not self._pass_context:
             self._pass_context = req_context
             self._pass_secondary = self._secondary(req_context)
-        return compat.lookup_result(
-            self.core.lookup(key, req_context.req_id, secondary=self._pass_secondary)
-        )
+        return self._pass_secondary
 
     def lookup_prefix(
         self, keys: Sequence[OffloadKey], req_context: ReqContext
@@ -113,11 +117,10 @@ class KvtierOffloadingManager(OffloadingManager):
         are hits, else whether each is a hit (False: pending). Never "retry"."""
         if self.spec.no_loads_reason is not None:
             return 0, None
-        if req_context is not self._pass_context:
-            self._pass_context = req_context
-            self._pass_secondary = self._secondary(req_context)
         return self.core.lookup_prefix(
-            cast(Sequence[bytes], keys), req_context.req_id, secondary=self._pass_secondary
+            cast(Sequence[bytes], keys),
+            req_context.req_id,
+            secondary=self._pass_tiers(req_context),
         )
 
     def note_new_request(self, req_id: str, has_lora: bool) -> None:

@@ -26,14 +26,11 @@ Where vLLM's scheduler lacks what these read, nothing changes.
 from __future__ import annotations
 
 import inspect
-import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from kvtier.vllm_port.store_planning import _fields
-
-logger = logging.getLogger("kvtier.vllm_port")
 
 _PREFIX_PARAMS = ["self", "keys", "req_context", "req", "group_config", "start_chunk_idx"]
 _SOURCES_PARAMS = ["self", "request", "num_external_tokens"]
