@@ -17,7 +17,10 @@ GPU that cost is paid on every step.
   any other request vLLM's planning finds no chunk past ``next_stored_chunk_idx`` (the
   storable chunk count is at most the offloadable tokens over the chunk size), stores
   nothing and leaves its state as it was; so the plans are the same, store for store and
-  job id for job id.
+  job id for job id. Where only prompts are offloaded (vLLM's default), a request whose
+  whole prompt is stored is not looked at again until it finishes or vLLM moves its
+  store index back (a lookup, an allocation, a cache reset), so a step of decoding
+  requests costs a set difference instead of a pass over them.
 * **Keys are updated only when a chunk's last hash is new.** ``_update_req_states`` is
   vLLM's loop (block tables, the step's newly allocated block ids) over the requests
   and flags its ``yield_req_data`` gives (whether a new request's block ids are its
@@ -55,6 +58,11 @@ class _Candidates:
         return getattr(self._output, name)
 
 
+# vLLM's scheduler methods that may move a request's store index back (a restarted or
+# resumed request's lookup and allocation) or reset every request's (``reset_cache``).
+_STORE_INDEX_RESETS = ("get_num_new_matched_tokens", "update_state_after_alloc", "on_new_request")
+
+
 def _fields(cls: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
 
@@ -64,7 +72,13 @@ def _has_shape(scheduler: Any) -> bool:
     cls = type(scheduler)
     if not all(
         callable(getattr(cls, name, None))
-        for name in ("_build_store_jobs", "_calc_num_offloadable_tokens", "_update_req_states")
+        for name in (
+            "_build_store_jobs",
+            "_calc_num_offloadable_tokens",
+            "_update_req_states",
+            "reset_cache",
+            *_STORE_INDEX_RESETS,
+        )
     ):
         return False
     if not isinstance(getattr(scheduler, "_req_status", None), dict):
@@ -186,6 +200,30 @@ def _finished_statuses(scheduler: Any) -> frozenset[Any]:
     return frozenset(s for s in statuses if statuses.is_finished(s))
 
 
+def _settled_requests(scheduler: Any) -> set[str]:
+    """A set of request ids that each of vLLM's methods able to move a request's store
+    index back (:data:`_STORE_INDEX_RESETS`, ``reset_cache``) forgets first."""
+    settled: set[str] = set()
+
+    def forgetting(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            request = args[0] if args else kwargs.get("request")
+            settled.discard(getattr(request, "request_id", None))  # type: ignore[arg-type]
+            return method(*args, **kwargs)
+
+        return call
+
+    def reset_cache(*args: Any, **kwargs: Any) -> Any:
+        settled.clear()
+        return vllm_reset(*args, **kwargs)
+
+    for name in _STORE_INDEX_RESETS:
+        setattr(scheduler, name, forgetting(getattr(scheduler, name)))
+    vllm_reset = scheduler.reset_cache
+    scheduler.reset_cache = reset_cache
+    return settled
+
+
 def plan_stores_for_candidates(scheduler: Any) -> None:
     """Put the candidate filter (see the module) in front of ``scheduler``'s store
     planning."""
@@ -196,10 +234,22 @@ def plan_stores_for_candidates(scheduler: Any) -> None:
     offloadable: Callable[[Any, int], int] = scheduler._calc_num_offloadable_tokens
     finished = _finished_statuses(scheduler)
     failed = False
+    # Requests whose whole prompt is stored, where only the prompt is offloaded: none
+    # can store again until it finishes (finished requests are planned from vLLM's
+    # finished_req_ids), unless its store index goes back, which only vLLM's lookup,
+    # allocation and cache reset do (each forgets the request here).
+    settled = _settled_requests(scheduler) if prompt_only else None
 
     def candidates(scheduled: dict[str, int]) -> dict[str, int]:
         keep: dict[str, int] = {}
-        for req_id, num_new in scheduled.items():
+        items: Any = scheduled.items()
+        if settled:
+            rest = scheduled.keys() - settled
+            if not rest:
+                return keep
+            if len(rest) < len(scheduled):  # in vLLM's order: it numbers the jobs
+                items = [(r, n) for r, n in items if r in rest]
+        for req_id, num_new in items:
             status = statuses.get(req_id)
             if status is None:
                 continue  # vLLM's planning skips it too
@@ -210,13 +260,20 @@ def plan_stores_for_candidates(scheduler: Any) -> None:
             after = req.num_computed_tokens + num_new
             # At most what vLLM may offload: `offloadable` caps it further.
             bound = after
-            if prompt_only and req.num_prompt_tokens < after:
-                bound = req.num_prompt_tokens
+            prompt = req.num_prompt_tokens
+            if prompt_only and prompt < after:
+                bound = prompt
+            settles = settled is not None
             for size, group in zip(chunk_tokens, status.group_states):
                 end = (group.next_stored_chunk_idx + 1) * size
                 if bound >= end and offloadable(status, after) >= end:
                     keep[req_id] = num_new
+                    settles = False
                     break
+                if prompt >= end:  # a chunk of its prompt is left to store
+                    settles = False
+            if settles:
+                settled.add(req_id)  # type: ignore[union-attr]
         return keep
 
     def planned(scheduler_output: Any) -> Any:
@@ -234,6 +291,8 @@ def plan_stores_for_candidates(scheduler: Any) -> None:
                 exc_info=True,
             )
             return plan(scheduler_output)
+        if settled and scheduler_output.finished_req_ids:
+            settled.difference_update(scheduler_output.finished_req_ids)
         if len(keep) == len(scheduled):
             return plan(scheduler_output)
         if not keep and not scheduler_output.finished_req_ids:

@@ -1,0 +1,184 @@
+"""store_planning's candidate filter against a planner that sees every request.
+
+A request whose whole prompt is stored (only prompts offloaded) is not looked at again
+until it finishes or one of vLLM's methods moves its store index back. Here a stand-in
+scheduler (no vLLM needed) runs random steps of arrivals, prefill, decode, lookups and
+allocations that move the index back, cache resets and finishes, twice: once behind
+the filter and once with every scheduled request handed to its planner. The planner
+(vLLM's rule: store the chunks past ``next_stored_chunk_idx`` that the prompt's
+computed tokens fill) must plan the same stores, step for step.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvtier.vllm_port import store_planning
+
+CHUNK = 4
+
+
+class RequestStatus(enum.Enum):  # read by store_planning from the scheduler's module
+    RUNNING = 1
+    FINISHED = 2
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status is RequestStatus.FINISHED
+
+
+@dataclass
+class Group:
+    next_stored_chunk_idx: int = 0
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    num_tokens: int = 0
+    status: RequestStatus = RequestStatus.RUNNING
+
+
+@dataclass
+class Status:
+    req: Req
+    group_states: tuple[Group, ...] = field(default_factory=lambda: (Group(),))
+
+
+class Scheduler:
+    """vLLM's offloading scheduler, reduced to what the filter and its planner touch."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(
+            kv_group_configs=[SimpleNamespace(tokens_per_chunk=CHUNK)], offload_prompt_only=True
+        )
+        self._req_status: dict[str, Status] = {}
+        self.stored: list[tuple[str, int, int]] = []
+
+    def _calc_num_offloadable_tokens(self, status: Status, computed: int) -> int:
+        req = status.req
+        return min(computed, req.num_tokens, req.num_prompt_tokens)
+
+    def _build_store_jobs(self, output: Any) -> dict[int, str]:
+        jobs: dict[int, str] = {}
+        for req_id in [*output.num_scheduled_tokens, *output.finished_req_ids]:
+            status = self._req_status.get(req_id)
+            if status is None:
+                continue
+            req = status.req
+            after = req.num_computed_tokens + output.num_scheduled_tokens.get(req_id, 0)
+            chunks = self._calc_num_offloadable_tokens(status, after) // CHUNK
+            group = status.group_states[0]
+            if chunks > group.next_stored_chunk_idx:
+                self.stored.append((req_id, group.next_stored_chunk_idx, chunks))
+                jobs[len(self.stored)] = req_id
+                group.next_stored_chunk_idx = chunks
+        return jobs
+
+    # vLLM's methods that may move a store index back.
+    def on_new_request(self, request: Req) -> None:
+        self._req_status[request.request_id] = Status(request)
+
+    def get_num_new_matched_tokens(self, request: Req, num_computed_tokens: int) -> None:
+        self._req_status[request.request_id].group_states[0].next_stored_chunk_idx = 0
+
+    def update_state_after_alloc(self, request: Req, blocks: Any, num_external: int) -> None:
+        group = self._req_status[request.request_id].group_states[0]
+        group.next_stored_chunk_idx = min(group.next_stored_chunk_idx, num_external // CHUNK)
+
+    def reset_cache(self) -> None:
+        for status in self._req_status.values():
+            status.group_states[0].next_stored_chunk_idx = 0
+
+
+def _run(seed: int, filtered: bool) -> list[tuple[str, int, int]]:
+    rng = random.Random(seed)
+    sched = Scheduler()
+    if filtered:
+        store_planning.plan_stores_for_candidates(sched)
+    running: list[Req] = []
+    count = 0
+    for _ in range(300):
+        finished: set[str] = set()
+        op = rng.random()
+        if op < 0.15 or not running:
+            count += 1
+            req = Req(f"r{count}", rng.randint(1, 20))
+            req.num_tokens = req.num_prompt_tokens
+            sched.on_new_request(req)
+            running.append(req)
+        elif op < 0.22:
+            req = rng.choice(running)
+            if rng.random() < 0.5:
+                sched.get_num_new_matched_tokens(req, 0)
+            else:
+                sched.update_state_after_alloc(req, None, rng.randint(0, req.num_prompt_tokens))
+        elif op < 0.25:
+            sched.reset_cache()
+        elif op < 0.35:
+            req = running.pop(rng.randrange(len(running)))
+            req.status = RequestStatus.FINISHED
+            finished.add(req.request_id)
+        scheduled: dict[str, int] = {}
+        for req in running:
+            left = req.num_prompt_tokens - req.num_computed_tokens
+            scheduled[req.request_id] = min(left, rng.randint(1, 8)) if left > 0 else 1
+        sched._build_store_jobs(
+            SimpleNamespace(num_scheduled_tokens=scheduled, finished_req_ids=finished)
+        )
+        for req in running:  # the step ran: decode tokens join the request
+            req.num_computed_tokens += scheduled[req.request_id]
+            req.num_tokens = max(req.num_tokens, req.num_computed_tokens)
+        for req_id in finished:
+            del sched._req_status[req_id]
+    return sched.stored
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_filter_plans_what_a_planner_of_every_request_plans(seed: int) -> None:
+    assert _run(seed, filtered=True) == _run(seed, filtered=False)
+    assert _run(seed, filtered=False), "the run must store"
+
+
+class Recording(Scheduler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[set[str]] = []
+
+    def _build_store_jobs(self, output: Any) -> dict[int, str]:
+        self.seen.append(set(output.num_scheduled_tokens))
+        return super()._build_store_jobs(output)
+
+
+def test_decoding_requests_with_their_prompt_stored_are_not_looked_at() -> None:
+    sched = Recording()
+    store_planning.plan_stores_for_candidates(sched)
+    reqs = [Req(f"r{i}", 8, num_tokens=8) for i in range(3)]
+    for req in reqs:
+        sched.on_new_request(req)
+
+    def step(tokens: int) -> None:
+        scheduled = {r.request_id: tokens for r in reqs}
+        sched._build_store_jobs(
+            SimpleNamespace(num_scheduled_tokens=scheduled, finished_req_ids=set())
+        )
+        for req in reqs:
+            req.num_computed_tokens += tokens
+            req.num_tokens = max(req.num_tokens, req.num_computed_tokens)
+
+    step(8)  # prefill: each stores its prompt's two chunks
+    for _ in range(5):
+        step(1)  # decode: nothing to store, and nothing handed to the planner
+    assert sched.seen == [{"r0", "r1", "r2"}]
+    assert len(sched.stored) == 3
+    sched.get_num_new_matched_tokens(reqs[1], 0)  # r1's index goes back
+    step(1)
+    assert sched.seen[-1] == {"r1"} and sched.stored[-1] == ("r1", 0, 2)
