@@ -43,7 +43,7 @@ from kvtier.blockpool import (
     PoolStats,
     StoreAdmissionFilter,
 )
-from kvtier.tiering_spec.tiers.base import SecondaryTier, TierFault, TierJob
+from kvtier.tiering_spec.tiers.base import SecondaryTier, TierFault, TierJob, TierResult
 from kvtier.tiering_spec.tiers.fs_format import key_digest
 
 logger = logging.getLogger("kvtier.tiering_spec")
@@ -336,19 +336,24 @@ class TierManager:
         self._stores += 1
         store = f"store-{self._stores}"
         for idx, tier in enumerate(self.secondary_tiers):
-            items: list[tuple[bytes, bytes, int]] = []
+            room = self.max_write_backlog - pool.held(Hold.TIER_WRITE)
+            wanted: list[tuple[bytes, bytes]] = []
             for key in keys:
                 if not pool.contains(key):
                     continue
                 digest = self._digest(key)
                 if tier.has(digest):
                     continue
-                if pool.held(Hold.TIER_WRITE) >= self.max_write_backlog:
+                if room <= 0:
                     self.counters.writes_dropped += 1
                     continue
-                items.append((key, digest, pool.hold([key], Hold.TIER_WRITE)[0]))
-            if items:
-                self._queued[(idx, "write", store)] = items
+                room -= 1
+                wanted.append((key, digest))
+            if wanted:
+                blocks = pool.hold([key for key, _ in wanted], Hold.TIER_WRITE)
+                self._queued[(idx, "write", store)] = [
+                    (key, digest, block) for (key, digest), block in zip(wanted, blocks)
+                ]
 
     def flush(self) -> None:
         """Submit what waits: one job per tier, operation and request (or device store).
@@ -387,46 +392,61 @@ class TierManager:
         jobs in flight or not: a poll also takes in what the tier found on its own (a
         start-up scan, files other engines wrote, probe answers)."""
         pool = self.pool
-        jobs = self._jobs
         for tier in self.secondary_tiers:
-            for res in tier.results():
-                if res.job in jobs:
-                    jobs[res.job] -= 1
-                    if not jobs[res.job]:
-                        del jobs[res.job]
-                if res.op == "release":  # a timed-out read's late call is over
-                    if res.key in self._held:
-                        self._held.discard(res.key)
-                        pool.complete_store([res.key], success=False)
+            results = tier.results()
+            written: dict[bytes, int] = {}  # write holds to end, ended together below
+            try:
+                self._apply(results, written)
+            finally:
+                if written:
+                    pool.release(
+                        [key for key, n in written.items() for _ in range(n)], Hold.TIER_WRITE
+                    )
+
+    def _apply(self, results: list[TierResult], written: dict[bytes, int]) -> None:
+        """Apply one tier's ``results`` (see :meth:`poll`); the write holds to end are
+        counted into ``written``."""
+        pool = self.pool
+        jobs = self._jobs
+        for res in results:
+            if res.job in jobs:
+                jobs[res.job] -= 1
+                if not jobs[res.job]:
+                    del jobs[res.job]
+            if res.op == "release":  # a timed-out read's late call is over
+                if res.key in self._held:
+                    self._held.discard(res.key)
+                    pool.complete_store([res.key], success=False)
+                continue
+            if res.op == "read":
+                if self._promoting.pop(res.key, None) is None:
                     continue
-                if res.op == "read":
-                    if self._promoting.pop(res.key, None) is None:
-                        continue
-                    if res.fault == TierFault.TIMEOUT:
-                        # The call may still write into the block: keep it reserved
-                        # until the tier releases it; the lookup misses meanwhile.
-                        self._held.add(res.key)
-                        self.counters.promotion_failures += 1
-                        self._load_sources.pop(res.key, None)
-                        continue
-                    pool.complete_store([res.key], success=res.ok)
-                    if res.ok:
-                        # A promotion is a use (a request asked for the key), for every
-                        # policy: one that scores by use keeps it above keys nobody
-                        # asked for lately, so promotions do not evict each other.
-                        pool.touch([res.key])
-                        if res.key not in self._fresh:
-                            pool.hold([res.key], Hold.PROMOTION)  # until vLLM loads it
-                            self._fresh[res.key] = self._step
-                    else:
-                        self.counters.promotion_failures += 1
-                        self._load_sources.pop(res.key, None)
-                elif res.op == "write":
-                    # (A write of the pool before a reset holds nothing in this one.)
-                    if pool.holds(res.key, Hold.TIER_WRITE):
-                        pool.release([res.key], Hold.TIER_WRITE)
-                    if not res.ok:
-                        self.counters.write_failures += 1
+                if res.fault == TierFault.TIMEOUT:
+                    # The call may still write into the block: keep it reserved
+                    # until the tier releases it; the lookup misses meanwhile.
+                    self._held.add(res.key)
+                    self.counters.promotion_failures += 1
+                    self._load_sources.pop(res.key, None)
+                    continue
+                pool.complete_store([res.key], success=res.ok)
+                if res.ok:
+                    # A promotion is a use (a request asked for the key), for every
+                    # policy: one that scores by use keeps it above keys nobody
+                    # asked for lately, so promotions do not evict each other.
+                    pool.touch([res.key])
+                    if res.key not in self._fresh:
+                        pool.hold([res.key], Hold.PROMOTION)  # until vLLM loads it
+                        self._fresh[res.key] = self._step
+                else:
+                    self.counters.promotion_failures += 1
+                    self._load_sources.pop(res.key, None)
+            elif res.op == "write":
+                # (A write of the pool before a reset holds nothing in this one.)
+                ended = written.get(res.key, 0)
+                if pool.holds(res.key, Hold.TIER_WRITE) > ended:
+                    written[res.key] = ended + 1
+                if not res.ok:
+                    self.counters.write_failures += 1
 
     def end_step(self) -> None:
         """Once per scheduler step: apply completions, forget the lookup pass, release
