@@ -208,7 +208,7 @@ def _settled_requests(scheduler: Any) -> set[str]:
     def forgetting(method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             request = args[0] if args else kwargs.get("request")
-            settled.discard(getattr(request, "request_id", None))  # type: ignore[arg-type]
+            settled.discard(getattr(request, "request_id", None))
             return method(*args, **kwargs)
 
         return call
