@@ -486,6 +486,18 @@ def test_one_requests_promotions_are_one_read_job_when_its_pass_ends(make_tier) 
     assert mgr.counters.jobs_submitted == 4, "two device stores' writes and two reads"
 
 
+def in_the_fs_tier_only(make_tier, blocks: int, keys: list[bytes]) -> TierManager:
+    """A host tier of ``blocks`` blocks in front of an fs tier that holds ``keys``; the
+    host tier holds other keys only."""
+    region = Region(blocks)
+    mgr = TierManager(HostBlockPool(blocks), [make_tier(region)], max_write_backlog=64)
+    store(mgr, region, keys)
+    settle(mgr)
+    store(mgr, region, [b"filler-%d" % i for i in range(blocks)])
+    settle(mgr)
+    return mgr
+
+
 def test_a_request_alone_in_the_promotion_room_takes_more_instead_of_waiting(
     make_tier,
 ) -> None:
@@ -494,14 +506,8 @@ def test_a_request_alone_in_the_promotion_room_takes_more_instead_of_waiting(
     hit a step later. Waiting for room instead, it waited on its own pinned promotions
     until their pins ended, step after step (hundreds of steps with a host tier the
     size of one prompt)."""
-    region = Region(4)
-    tier = make_tier(region)
-    mgr = TierManager(HostBlockPool(4), [tier], max_write_backlog=64)
     prefix = [b"a", b"b", b"c", b"d"]
-    store(mgr, region, prefix)
-    settle(mgr)
-    store(mgr, region, [b"w", b"x", b"y", b"z"])  # the prefix is in the fs tier only
-    settle(mgr)
+    mgr = in_the_fs_tier_only(make_tier, 4, prefix)
     assert mgr.max_promoting == 2
     assert mgr.lookup_prefix(prefix, "r") == (4, [False] * 4)
     mgr.end_step()
@@ -519,15 +525,9 @@ def test_requests_holding_parts_of_the_promotion_room_never_wait_on_each_other(
 ) -> None:
     """p and q each hold half of the room promotions may take, and each needs more:
     each loads what it has instead of waiting for the other to load first."""
-    region = Region(8)
-    tier = make_tier(region)
-    mgr = TierManager(HostBlockPool(8), [tier], max_write_backlog=64)
     p = [b"p0", b"p1", b"p2", b"p3"]
     q = [b"q0", b"q1", b"q2", b"q3"]
-    store(mgr, region, p + q)
-    settle(mgr)
-    store(mgr, region, [b"u", b"v", b"w", b"x", b"y", b"z", b"s", b"t"])
-    settle(mgr)  # p and q are in the fs tier only
+    mgr = in_the_fs_tier_only(make_tier, 8, p + q)
     assert mgr.max_promoting == 4
     assert [mgr.lookup(k, "p") for k in p[:2]] == [Lookup.HIT_PENDING] * 2
     assert [mgr.lookup(k, "q") for k in q[:2]] == [Lookup.HIT_PENDING] * 2
@@ -545,15 +545,9 @@ def test_a_request_whose_head_is_gone_gives_back_the_room_its_tail_holds(make_ti
     """p's promoted tail is pinned, but its head must be promoted again and the room is
     full: p recomputes, and its tail's pins end at once instead of after FRESH_STEPS,
     so a request needing the room gets it."""
-    region = Region(8)
-    tier = make_tier(region)
-    mgr = TierManager(HostBlockPool(8), [tier], max_write_backlog=64)
     p = [b"p0", b"p1", b"p2", b"p3"]
     q = [b"q0", b"q1"]
-    store(mgr, region, p + q + [b"r0"])
-    settle(mgr)
-    store(mgr, region, [b"u", b"v", b"w", b"x", b"y", b"z", b"s", b"t"])
-    settle(mgr)  # p, q and r0 are in the fs tier only
+    mgr = in_the_fs_tier_only(make_tier, 8, p + q + [b"r0"])
     assert [mgr.lookup(k, "p") for k in p[2:]] == [Lookup.HIT_PENDING] * 2
     assert [mgr.lookup(k, "q") for k in q] == [Lookup.HIT_PENDING] * 2
     mgr.end_step()
@@ -569,13 +563,7 @@ def test_a_request_whose_head_is_gone_gives_back_the_room_its_tail_holds(make_ti
 
 
 def test_a_request_waits_for_room_other_requests_promotions_take(make_tier) -> None:
-    region = Region(4)
-    tier = make_tier(region)
-    mgr = TierManager(HostBlockPool(4), [tier], max_write_backlog=64)
-    store(mgr, region, [b"a", b"b", b"c"])
-    settle(mgr)
-    store(mgr, region, [b"w", b"x", b"y", b"z"])  # a, b, c: in the fs tier only
-    settle(mgr)
+    mgr = in_the_fs_tier_only(make_tier, 4, [b"a", b"b", b"c"])
     assert mgr.lookup_prefix([b"a", b"b"], "s") == (2, [False, False])
     assert mgr.lookup_prefix([b"c"], "t") == (1, [False]), "s's promotions end in ms"
     assert mgr.counters.promotions_deferred == 1 and mgr.counters.promotions_capped == 0
