@@ -12,11 +12,7 @@ Flow:
 * a lookup that misses the host tier but hits an fs tier reserves a host block and
   reads the file into it (a *promotion*); the key reads ``HIT_PENDING`` until the
   read finished, then ``HIT``, or ``MISS`` if the file was bad or the tier refused
-  the read (for ``FRESH_STEPS`` steps). Promoting and promoted-not-loaded blocks
-  take ``max_promoting`` (half the host tier) at most, save for one request alone in
-  that room: with the room taken, a request holding none of it waits (HIT_PENDING), one
-  holding part of it has its hit end there (the rest is recomputed), one holding all
-  of it goes on; a read that timed out
+  the read (for ``FRESH_STEPS`` steps); a read that timed out
   (a store tier's call past its deadline) reads ``MISS`` at once, and its host block
   stays reserved until the tier's ``"release"`` result: the late call may still write
   into it;
@@ -77,7 +73,6 @@ class TierCounters:
     promotion_failures: int = 0
     promotion_allocation_failures: int = 0
     promotions_deferred: int = 0
-    promotions_capped: int = 0
     writes_submitted: int = 0
     writes_dropped: int = 0
     write_failures: int = 0
@@ -128,11 +123,6 @@ class TierManager:
         # prefix evicts its own head), released once rather than per promoted key.
         self._pass_req: str | None = None
         self._pass_keys: list[bytes] = []
-        # Keys of the pass being promoted, or promoted and not yet loaded.
-        self._pass_promoted = 0
-        # The prefix lookup_prefix is answering, and whether promotions' room ended it.
-        self._prefix: Sequence[bytes] = ()
-        self._capped = False
         self._pass_held: list[bytes] | None = None
         # Promoted keys held until loaded (Hold.PROMOTION; key -> step of the promotion),
         # and a cap on promoting plus held blocks: half the host tier, the rest for stores.
@@ -172,8 +162,6 @@ class TierManager:
         if pool.contains(key):
             self.counters.host_hits += 1
             self._pass_keys.append(key)
-            if self._fresh and key in self._fresh:
-                self._pass_promoted += 1
             if self._pass_held is not None:  # this pass promotes: keep it from evicting it
                 pool.hold([key], Hold.LOOKUP_PASS)
                 self._pass_held.append(key)
@@ -182,8 +170,6 @@ class TierManager:
             if key in self._held:  # a read that timed out: never loaded
                 return Lookup.MISS
             self._pass_keys.append(key)
-            if key in self._promoting:
-                self._pass_promoted += 1
             return Lookup.HIT_PENDING
         if not self.secondary_tiers or not secondary:
             return Lookup.MISS
@@ -198,24 +184,11 @@ class TierManager:
                 continue
             if not found:
                 continue
-            room_used = len(self._promoting) + len(self._fresh)
-            if room_used >= self.max_promoting:
-                mine = self._holding()
-                if not mine:
-                    # A request holding none waits for room: the holders load or stop
-                    # waiting within a step or two, their pins end within FRESH_STEPS.
-                    self.counters.promotions_deferred += 1
-                    return Lookup.HIT_PENDING
-                if mine < room_used:
-                    # It holds part of the room, other requests the rest, each pinned
-                    # until its request loads it: its hit ends here and the rest is
-                    # recomputed. Waiting, requests would wait on each other until the
-                    # pins end (FRESH_STEPS), and again after.
-                    self.counters.promotions_capped += 1
-                    self._capped = True
-                    return Lookup.MISS
-                # It holds the whole room: it may take more, as the host tier allows
-                # (its hit is loaded at once; waiting, it would wait on itself).
+            if len(self._promoting) + len(self._fresh) >= self.max_promoting:
+                # Wait for room instead of recomputing: promotions end in milliseconds
+                # and pinned blocks are loaded or released within FRESH_STEPS.
+                self.counters.promotions_deferred += 1
+                return Lookup.HIT_PENDING
             if self._pass_held is None:
                 # Only cached keys are held; a key still being stored cannot be evicted.
                 protect = [k for k in self._pass_keys if pool.contains(k)]
@@ -229,7 +202,6 @@ class TierManager:
                 (key, digest, plan.block_ids[0])
             )
             self._promoting[key] = idx
-            self._pass_promoted += 1
             self._load_sources[key] = tier.name
             if len(self._load_sources) > _MAX_LOAD_SOURCES:
                 self._load_sources.popitem(last=False)
@@ -247,8 +219,6 @@ class TierManager:
         ready: list[bool] | None = None
         pool = self.pool
         counters = self.counters
-        self._prefix = keys
-        self._capped = False
         for key in keys:
             if found and self._pass_held is None and pool.contains(key):
                 # lookup()'s first answer, for a request whose pass has begun and holds
@@ -256,14 +226,10 @@ class TierManager:
                 counters.host_queries += 1
                 counters.host_hits += 1
                 self._pass_keys.append(key)
-                if self._fresh and key in self._fresh:
-                    self._pass_promoted += 1
                 hit = True
             else:
                 answer = self.lookup(key, req_id, secondary=secondary)
                 if answer is Lookup.MISS:
-                    if self._capped:
-                        self._unpin(keys[found + 1 :])
                     break
                 hit = answer is Lookup.HIT
             if ready is not None:
@@ -271,25 +237,7 @@ class TierManager:
             elif not hit:
                 ready = [True] * found + [False]
             found += 1
-        self._prefix = ()
         return found, ready
-
-    def _holding(self) -> int:
-        """How many blocks of the promotions' room the request being looked up holds:
-        keys promoting, or promoted and not loaded, of the prefix :meth:`lookup_prefix`
-        answers (past the key being looked up too), else of its pass so far."""
-        if not self._prefix:
-            return self._pass_promoted
-        fresh, promoting = self._fresh, self._promoting
-        return sum(1 for k in self._prefix if k in fresh or k in promoting)
-
-    def _unpin(self, keys: Sequence[bytes]) -> None:
-        """End the pins of the promoted ``keys`` a request will not load: its hit ended
-        before them. They stay cached, no longer taking promotions' room."""
-        fresh = self._fresh
-        done = [k for k in keys if fresh.pop(k, None) is not None]
-        if done:
-            self.pool.release(done, Hold.PROMOTION)
 
     def _digest(self, key: bytes) -> bytes:
         digest = self._digests.get(key)
@@ -518,7 +466,6 @@ class TierManager:
             self.pool.release(held, Hold.LOOKUP_PASS)
         self._pass_req = None
         self._pass_keys = []
-        self._pass_promoted = 0
 
     def _expire(self, since: OrderedDict[bytes, int]) -> list[bytes]:
         """Remove and return the keys of ``since`` (key -> step, oldest first) that are
