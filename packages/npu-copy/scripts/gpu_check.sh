@@ -6,7 +6,8 @@
 #
 # Uses $PYTHON (default python3) when it already has a CUDA torch; otherwise creates a venv
 # under OUT_DIR and installs torch from the package index (the default Linux wheel is a
-# CUDA build). Writes OUT_DIR/pytest.log, OUT_DIR/bench.json and OUT_DIR/bench.txt.
+# CUDA build). Where pytest and hypothesis are already there, nothing is installed (the
+# package runs from the source tree), so it also works on a machine with no index. Writes OUT_DIR/pytest.log, OUT_DIR/bench.json and OUT_DIR/bench.txt.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -26,7 +27,17 @@ if ! has_cuda_torch "$PY"; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "torch>=2.6"
 fi
-"$PY" -m pip install -q -e packages/npu-copy "pytest>=8" "hypothesis>=6.100"
+has_test_tools() {
+  "$1" -c 'import pytest, hypothesis' 2>/dev/null
+}
+if has_test_tools "$PY"; then
+  # Offline machines (a GPU box with no package index) already have what the tests need:
+  # use the package from the source tree instead of installing it.
+  export PYTHONPATH="$ROOT/packages/npu-copy/src${PYTHONPATH:+:$PYTHONPATH}"
+  echo "== using packages/npu-copy/src from the source tree (no install)"
+else
+  "$PY" -m pip install -q -e packages/npu-copy "pytest>=8" "hypothesis>=6.100"
+fi
 if ! has_cuda_torch "$PY"; then
   echo "torch cannot see a CUDA GPU here (torch.cuda.is_available() is false)" >&2
   exit 1
