@@ -127,7 +127,6 @@ class _Staging:
 
     blocks: int
     staging: torch.Tensor  # [blocks, host_block_bytes] uint8: a piece laid out as host blocks
-    scratch: torch.Tensor  # blocks * largest segment bytes: gathers and scatters by index
     index: torch.Tensor  # [blocks] int64: device block ids of a scattered piece
 
 
@@ -140,10 +139,11 @@ class StreamBackend:
     pinned so DMAs are asynchronous.
 
     The staging buffers are allocated once, ``staging_bytes`` per direction (stores and
-    loads run on different streams), with room for the index and gather scratch of one
-    piece; a larger transfer moves through them in pieces, one after another on its
-    stream. Preemption copies happen when device memory is exhausted, so issuing a
-    transfer allocates nothing on the device.
+    loads run on different streams), with room for the block index of one piece; a
+    larger transfer moves through them in pieces, one after another on its stream.
+    Preemption copies happen when device memory is exhausted, so issuing a transfer
+    allocates nothing on the device. A scattered piece costs one index kernel per segment
+    and direction, writing (or reading) the strided staging rows directly.
     """
 
     name = "stream"
@@ -172,12 +172,10 @@ class StreamBackend:
                 f"got {staging_bytes}"
             )
         blocks = min(staging_bytes // row_bytes, max(1, int(host_blocks.shape[0])))
-        seg_bytes = max(seg.block_bytes for seg in layout.segments)
         self._staging = {
             direction: _Staging(
                 blocks,
                 torch.empty((blocks, row_bytes), dtype=torch.uint8, device=self.device),
-                torch.empty(blocks * seg_bytes, dtype=torch.uint8, device=self.device),
                 torch.empty(blocks, dtype=torch.int64, device=self.device),
             )
             for direction in ("store", "load")
@@ -186,7 +184,7 @@ class StreamBackend:
             logger.info(
                 "kvtier: transfers stage through %.1f MiB of %s memory per direction, "
                 "%d blocks a piece",
-                (blocks * (row_bytes + seg_bytes + 8)) / 2**20,
+                (blocks * (row_bytes + 8)) / 2**20,
                 self.device,
                 blocks,
             )
@@ -265,9 +263,8 @@ class StreamBackend:
                     if isinstance(rows, slice):
                         part.copy_(seg.rows[rows])
                     else:
-                        gathered = buf.scratch[: n * seg.block_bytes].view(n, seg.block_bytes)
-                        torch.index_select(seg.rows, 0, rows, out=gathered)
-                        part.copy_(gathered)
+                        # One kernel a segment: the gather writes the strided part itself.
+                        torch.index_select(seg.rows, 0, rows, out=part)
                 self._host_dmas(host, stage, to_host=True)
 
         self._enqueue(handle, deps, body)
@@ -288,9 +285,7 @@ class StreamBackend:
                     if isinstance(rows, slice):
                         seg.rows[rows].copy_(part)
                     else:
-                        scattered = buf.scratch[: n * seg.block_bytes].view(n, seg.block_bytes)
-                        scattered.copy_(part)
-                        seg.rows.index_copy_(0, rows, scattered)
+                        seg.rows.index_copy_(0, rows, part)
 
         self._enqueue(handle, deps, body)
 
