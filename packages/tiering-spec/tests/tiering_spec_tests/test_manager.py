@@ -486,6 +486,110 @@ def test_one_requests_promotions_are_one_read_job_when_its_pass_ends(make_tier) 
     assert mgr.counters.jobs_submitted == 4, "two device stores' writes and two reads"
 
 
+def fs_only(make_tier, host_blocks: int, keys: list[bytes]) -> TierManager:
+    """A manager whose host tier holds ``host_blocks`` blocks, ``keys`` in its fs tier
+    only (written through, then evicted by as many other keys)."""
+    region = Region(host_blocks)
+    mgr = TierManager(HostBlockPool(host_blocks), [make_tier(region)], max_write_backlog=64)
+    for start in range(0, len(keys), host_blocks):
+        store(mgr, region, keys[start : start + host_blocks])
+        settle(mgr)
+    store(mgr, region, [b"filler%d" % i for i in range(host_blocks)])
+    settle(mgr)
+    assert not any(mgr.pool.contains(k) for k in keys)
+    return mgr
+
+
+def test_a_request_alone_in_the_promotion_room_takes_more_instead_of_waiting(
+    make_tier,
+) -> None:
+    """A prefix needing more than ``max_promoting`` promotions: the request is the only
+    holder of the room, so it goes on promoting as the host tier allows and loads its
+    whole hit a step later. Waiting for room instead, it waited on its own pins until
+    they ended (FRESH_STEPS), step after step."""
+    prefix = [b"a", b"b", b"c", b"d"]
+    mgr = fs_only(make_tier, 4, prefix)
+    assert mgr.max_promoting == 2
+    assert mgr.lookup_prefix(prefix, "r") == (4, [False] * 4)
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.lookup_prefix(prefix, "r") == (4, None)
+    assert mgr.counters.promotions_deferred == 0
+    mgr.prepare_load(prefix)
+    mgr.complete_load(prefix)
+    assert mgr.pool.held(Hold.PROMOTION) == 0, "loaded: the promotions' pins ended"
+    mgr.pool.check_invariants()
+
+
+def test_requests_holding_parts_of_the_promotion_room_take_turns(make_tier) -> None:
+    """p and q each hold half of the room and need more. p took room first: it goes
+    on and loads its whole prefix; q waits for it, then loads its own. Neither waits
+    on the other's pins, which would last until they end (FRESH_STEPS) and again."""
+    p = [b"p0", b"p1", b"p2", b"p3"]
+    q = [b"q0", b"q1", b"q2", b"q3"]
+    mgr = fs_only(make_tier, 8, p + q)
+    assert mgr.max_promoting == 4
+    assert mgr.lookup_prefix(p[:2], "p") == (2, [False, False])
+    assert mgr.lookup_prefix(q[:2], "q") == (2, [False, False])
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.lookup_prefix(p, "p") == (4, [True, True, False, False]), "p goes on"
+    assert mgr.lookup_prefix(q, "q") == (4, [True, True, False, False]), "q waits"
+    deferred = mgr.counters.promotions_deferred
+    assert deferred == 2, "q's two keys wait for room, p's do not"
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.lookup_prefix(p, "p") == (4, None)
+    mgr.prepare_load(p)
+    mgr.complete_load(p)  # p is running: its pins end, and q holds the room alone
+    assert mgr.lookup_prefix(q, "q") == (4, [True, True, False, False])
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.lookup_prefix(q, "q") == (4, None)
+    assert mgr.counters.promotions_deferred == deferred, "q waited one step"
+    mgr.prepare_load(q)
+    mgr.complete_load(q)
+    assert mgr.pool.held(Hold.PROMOTION) == 0
+    mgr.pool.check_invariants()
+
+
+def test_the_room_of_a_request_that_never_loads_goes_to_the_next_one(make_tier) -> None:
+    """p took room first and went away without loading (aborted, say): its pins end
+    after FRESH_STEPS, and q, which waited behind it, goes on."""
+    p = [b"p0", b"p1", b"p2"]
+    q = [b"q0", b"q1", b"q2"]
+    mgr = fs_only(make_tier, 8, p + q)
+    assert mgr.lookup_prefix(p, "p") == (3, [False] * 3)
+    assert mgr.lookup_prefix(q, "q") == (3, [False] * 3), "q takes the last room"
+    assert mgr.counters.promotions_deferred == 2
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.lookup_prefix(q, "q") == (3, [True, False, False]), "q waits behind p"
+    assert mgr.counters.promotions_deferred == 4
+    for _ in range(FRESH_STEPS):
+        mgr.end_step()
+    assert mgr.pool.held(Hold.PROMOTION) == 0, "every pin ended: nobody loaded"
+    assert mgr.lookup_prefix(q, "q") == (3, [True, False, False])
+    assert mgr.counters.promotions_deferred == 4, "p's room is q's now"
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.lookup_prefix(q, "q") == (3, None)
+    mgr.pool.check_invariants()
+
+
+def test_a_request_waits_for_room_other_requests_promotions_take(make_tier) -> None:
+    mgr = fs_only(make_tier, 4, [b"a", b"b", b"c"])
+    assert mgr.lookup_prefix([b"a", b"b"], "s") == (2, [False, False])
+    assert mgr.lookup_prefix([b"c"], "t") == (1, [False]), "s's promotions end in ms"
+    assert mgr.counters.promotions_deferred == 1
+    settle(mgr)
+    mgr.end_step()
+    mgr.prepare_load([b"a", b"b"])
+    mgr.complete_load([b"a", b"b"])
+    assert mgr.lookup_prefix([b"c"], "t") == (1, [False]), "now promoted"
+    assert mgr.counters.promotions_deferred == 1
+
+
 def test_a_read_the_tier_refuses_is_a_miss_not_a_wait(make_tier) -> None:
     mgr, tier = a_in_the_fs_tier_only(make_tier)
     tier.submit_read = lambda key, digest, block_id: False  # e.g. its region unmapped

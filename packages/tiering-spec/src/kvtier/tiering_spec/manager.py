@@ -12,7 +12,11 @@ Flow:
 * a lookup that misses the host tier but hits an fs tier reserves a host block and
   reads the file into it (a *promotion*); the key reads ``HIT_PENDING`` until the
   read finished, then ``HIT``, or ``MISS`` if the file was bad or the tier refused
-  the read (for ``FRESH_STEPS`` steps); a read that timed out
+  the read (for ``FRESH_STEPS`` steps). Promoting and promoted-not-loaded blocks
+  (the promotions' room) take half the host tier at most; with the room full, the
+  request that took room first goes on promoting as the host tier allows and the
+  others wait (HIT_PENDING), so requests never wait on each other's pins or their
+  own; a read that timed out
   (a store tier's call past its deadline) reads ``MISS`` at once, and its host block
   stays reserved until the tier's ``"release"`` result: the late call may still write
   into it;
@@ -127,6 +131,10 @@ class TierManager:
         # Promoted keys held until loaded (Hold.PROMOTION; key -> step of the promotion),
         # and a cap on promoting plus held blocks: half the host tier, the rest for stores.
         self._fresh: OrderedDict[bytes, int] = OrderedDict()
+        # Who took the promotions' room (keys of _promoting and _fresh): key -> request,
+        # and request -> keys it holds there, oldest holder first.
+        self._room_owner: dict[bytes, str] = {}
+        self._room_reqs: dict[str, int] = {}
         self._step = 0
         # Items waiting for the end of their pass or step, by (tier index, op, request);
         # keys a tier refused to read (-> the step: a MISS for FRESH_STEPS steps); jobs
@@ -184,9 +192,13 @@ class TierManager:
                 continue
             if not found:
                 continue
-            if len(self._promoting) + len(self._fresh) >= self.max_promoting:
+            if len(self._promoting) + len(self._fresh) >= self.max_promoting and (
+                next(iter(self._room_reqs), None) != req_id
+            ):
                 # Wait for room instead of recomputing: promotions end in milliseconds
-                # and pinned blocks are loaded or released within FRESH_STEPS.
+                # and pinned blocks are loaded or released within FRESH_STEPS. The
+                # oldest holder goes on (as the host tier allows): waiting, it would
+                # wait on its own pins, or on a request that waits on it.
                 self.counters.promotions_deferred += 1
                 return Lookup.HIT_PENDING
             if self._pass_held is None:
@@ -202,6 +214,8 @@ class TierManager:
                 (key, digest, plan.block_ids[0])
             )
             self._promoting[key] = idx
+            self._room_owner[key] = req_id
+            self._room_reqs[req_id] = self._room_reqs.get(req_id, 0) + 1
             self._load_sources[key] = tier.name
             if len(self._load_sources) > _MAX_LOAD_SOURCES:
                 self._load_sources.popitem(last=False)
@@ -263,6 +277,7 @@ class TierManager:
             for key in keys:
                 if self._fresh.pop(key, None) is not None:
                     self.pool.release([key], Hold.PROMOTION)  # loaded: its hold ends
+                    self._leave_room(key)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self.pool.touch(keys)
@@ -378,6 +393,7 @@ class TierManager:
                 elif op == "read":
                     if self._promoting.pop(key, None) is not None:
                         pool.complete_store([key], success=False)
+                        self._leave_room(key)
                     self._load_sources.pop(key, None)
                     self._refused[key] = self._step
                 else:
@@ -421,6 +437,8 @@ class TierManager:
             if res.op == "read":
                 if self._promoting.pop(res.key, None) is None:
                     continue
+                if not res.ok:
+                    self._leave_room(res.key)
                 if res.fault == TierFault.TIMEOUT:
                     # The call may still write into the block: keep it reserved
                     # until the tier releases it; the lookup misses meanwhile.
@@ -457,7 +475,18 @@ class TierManager:
         self._expire(self._refused)
         for key in self._expire(self._fresh):
             self.pool.release([key], Hold.PROMOTION)
+            self._leave_room(key)
         self._end_pass()
+
+    def _leave_room(self, key: bytes) -> None:
+        """``key`` left the promotions' room (loaded, failed, refused or expired)."""
+        req = self._room_owner.pop(key, None)
+        if req is not None:
+            left = self._room_reqs[req] - 1
+            if left:
+                self._room_reqs[req] = left
+            else:
+                del self._room_reqs[req]
 
     def _end_pass(self) -> None:
         """Forget the lookup pass, releasing the keys it held for its promotions."""
@@ -516,6 +545,8 @@ class TierManager:
             self.admission.pool = new_pool
         self._fresh.clear()
         self._promoting.clear()
+        self._room_owner.clear()
+        self._room_reqs.clear()
         self._held.clear()
         self._load_sources.clear()
         self._refused.clear()
