@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import pytest
 
@@ -11,6 +12,7 @@ from kvtier.blockpool import Hold, HostBlockPool
 from kvtier.tiering_spec import metrics
 from kvtier.tiering_spec.manager import FRESH_STEPS, Lookup, TierManager
 from kvtier.tiering_spec.tiers import fs_format
+from kvtier.tiering_spec.tiers.base import FAULT_KINDS, TierStats
 from kvtier.tiering_spec.tiers.fs_format import key_digest
 
 from .tier_support import PAYLOAD, Region
@@ -371,6 +373,129 @@ def test_skipping_unchanged_steps_emits_what_computing_every_step_does() -> None
     ]
     assert len(quiet) > 20, "some steps must change nothing"
     for step, (a, b) in enumerate(zip(quick, full)):
+        assert a == b, f"step {step} ({ops[step][0]}): {a} != {b}"
+
+
+class RecordingSink:
+    """What vLLM's ``OffloadingConnectorStats`` would hold, as plain data."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, str, tuple[str, ...]], Any] = {}
+
+    def set_gauge(self, name: str, value: object, labels: tuple[str, ...] = ()) -> None:
+        self.held[("gauge", name, labels)] = value
+
+    def increase_counter(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        key = ("counter", name, labels)
+        self.held[key] = self.held.get(key, 0) + value
+
+    def observe_histogram(self, name: str, value: object, labels: tuple[str, ...] = ()) -> None:
+        self.held.setdefault(("histogram", name, labels), []).append(value)
+
+
+class CountingTier:
+    """A secondary tier that holds nothing and refuses every job; the test moves its
+    counters by hand."""
+
+    name = "counting"
+    in_flight = 0
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+        self.used_bytes = 0
+        self.fault_counts = dict.fromkeys(FAULT_KINDS, 0)
+
+    def contains(self, digest: bytes) -> bool:
+        return False
+
+    def has(self, digest: bytes) -> bool:
+        return False
+
+    def submit(self, job) -> list[bool]:
+        return [False] * len(job.items)
+
+    def results(self) -> list:
+        return []
+
+    def drain(self, timeout: float | None = None) -> bool:
+        return True
+
+    def faults(self) -> dict[str, int]:
+        return dict(self.fault_counts)
+
+    @property
+    def fault_count(self) -> int:
+        return sum(self.fault_counts.values())
+
+
+@pytest.mark.parametrize("tiering", [False, True])
+def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
+    """``write_changed`` (the vLLM manager's get_stats, most steps writing the host
+    tier's rows without the tiers') against the rows ``collect`` yields, over random
+    stores, loads, lookups, failures, allocation failures and resets."""
+    keys = [bytes([i]) for i in range(10)]
+    rng = random.Random(11)
+    ops = [
+        (rng.randrange(5), rng.sample(keys, rng.randint(1, 3)), rng.random()) for _ in range(400)
+    ]
+
+    def steps(direct: bool) -> list[dict[tuple[str, str, tuple[str, ...]], object]]:
+        tier = CountingTier()
+        mgr = TierManager(HostBlockPool(6), [tier] if tiering else [], store_threshold=2)
+        em = metrics.MetricsEmitter(mgr, tiering=tiering)
+        out = []
+        for op, some, p in ops:
+            if op == 0:
+                plan = mgr.prepare_store(some)
+                if plan is not None and p < 0.7:
+                    mgr.complete_store(plan[0], success=p < 0.55)
+            elif op == 1:
+                for k in some:
+                    mgr.lookup(k)
+            elif op == 2:
+                cached = [k for k in some if mgr.pool.contains(k)]
+                if cached:
+                    mgr.prepare_load(cached)
+                    if p < 0.8:
+                        mgr.complete_load(cached)
+            elif op == 3 and p < 0.1:
+                mgr.reset(HostBlockPool(6 if p < 0.05 else 8))
+            elif op == 4 and p < 0.3:
+                mgr.counters.promotion_allocation_failures += 1
+                mgr.counters.writes_dropped += p < 0.1
+                tier.stats.hits += p < 0.15
+                tier.used_bytes += 4096 * (p < 0.2)
+                tier.fault_counts["corrupt"] += p > 0.25
+            sink = RecordingSink()
+            if direct:
+                gauges = em.quiet_gauges()
+                if gauges is None:
+                    em.write_changed(sink)
+                else:
+                    for name, value in gauges:
+                        sink.set_gauge(name, value)
+            else:
+                for kind, name, value, labels in em.collect():
+                    if kind == "counter":
+                        if value:
+                            sink.increase_counter(name, value, labels)
+                    elif kind == "gauge":
+                        sink.set_gauge(name, value, labels)
+                    else:
+                        sink.observe_histogram(name, value, labels)
+            out.append(sink.held)
+        return out
+
+    direct, rows = steps(True), steps(False)
+    counters = {n for held in rows for kind, n, _ in held if kind == "counter"}
+    assert metrics.HOST_QUERIES in counters and metrics.STORES_SKIPPED in counters
+    if tiering:
+        assert {
+            metrics.PROMOTION_ALLOCATION_FAILURES,
+            metrics.STORES_DROPPED,
+            metrics.TIER_FAULTS,
+        } <= counters
+    for step, (a, b) in enumerate(zip(direct, rows)):
         assert a == b, f"step {step} ({ops[step][0]}): {a} != {b}"
 
 

@@ -9,7 +9,7 @@ for what vLLM has no name for (fs faults, fs bytes held). Every name emitted by
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from kvtier.blockpool import ALLOCATION_BUCKETS
 from kvtier.tiering_spec.manager import TierManager
@@ -252,6 +252,19 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
 
 # Reported on every call, as vLLM's CPUOffloadingManager does (its stats are never None).
 ALWAYS_GAUGES = (CPU_CACHE_USAGE_PERC, CPU_CACHE_WRITE_USAGE_PERC, CPU_CACHE_READ_USAGE_PERC)
+# The leading fields of MetricsEmitter._signature that only the host tier's rows read.
+_HOST_FIELDS = 7
+
+
+class StatsSink(Protocol):
+    """Where :meth:`MetricsEmitter.write_changed` writes (vLLM's
+    ``OffloadingConnectorStats`` has these three methods)."""
+
+    def set_gauge(self, name: str, value: Any, labels: tuple[str, ...] = ()) -> None: ...
+
+    def increase_counter(self, name: str, value: Any, labels: tuple[str, ...] = ()) -> None: ...
+
+    def observe_histogram(self, name: str, value: Any, labels: tuple[str, ...] = ()) -> None: ...
 
 
 class MetricsEmitter:
@@ -264,6 +277,7 @@ class MetricsEmitter:
         self._gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._signed: tuple[Any, ...] | None = None
         self._pending: tuple[Any, ...] | None = None  # a signature quiet_gauges found new
+        self._faults_seen: dict[str, int] = {}  # tier name -> its fault count at the last rows
 
     def _delta(self, name: str, labels: tuple[str, ...], total: float) -> float:
         key = (name, labels)
@@ -305,6 +319,59 @@ class MetricsEmitter:
         signature, self._pending = self._pending, None
         return self._changed(self._signature() if signature is None else signature)
 
+    def write_changed(self, sink: StatsSink) -> None:
+        """:meth:`collect_changed` after :meth:`quiet_gauges` returned None, written into
+        ``sink`` (counters that did not move left out). Where only the host tier's
+        counters and gauges moved (most steps that store or admit), its rows are written
+        directly, without building rows for the tiers."""
+        signature, self._pending = self._pending, None
+        if signature is None:
+            signature = self._signature()
+        signed = self._signed
+        if signed is None or signature[_HOST_FIELDS:] != signed[_HOST_FIELDS:]:
+            for kind, name, value, labels in self._changed(signature):
+                if kind == "counter":
+                    if value:
+                        sink.increase_counter(name, value, labels)
+                elif kind == "gauge":
+                    sink.set_gauge(name, value, labels)
+                else:
+                    sink.observe_histogram(name, value, labels)
+            return
+        self._signed = signature
+        core = self.core
+        pool, c, gauges, last = core.pool, core.counters, self._gauges, self._last
+        capacity = pool.num_blocks
+        cap = capacity or 1
+        write = pool.num_storing / cap
+        read = min(pool.num_read_pinned, capacity) / cap
+        for name, value in (
+            (CPU_CACHE_USAGE_PERC, min(1.0, write + read)),
+            (CPU_CACHE_WRITE_USAGE_PERC, write),
+            (CPU_CACHE_READ_USAGE_PERC, read),
+        ):
+            gauges[(name, ())] = value
+            sink.set_gauge(name, value, ())
+        for size in core.take_allocation_sizes():
+            sink.observe_histogram(CPU_ALLOCATION_SIZE, size, ())
+        moved: list[tuple[str, tuple[str, ...], float]] = [
+            (HOST_QUERIES, (), c.host_queries),
+            (HOST_HITS, (), c.host_hits),
+            (HOST_STORE_FAILURES, (), c.store_failures),
+        ]
+        if core.admission is not None:
+            moved.append((STORES_SKIPPED, (), core.admission.stores_skipped))
+        if self.tiering:
+            moved.append((PROMOTION_ALLOCATION_FAILURES, (), c.promotion_allocation_failures))
+            moved.append((CHUNK_QUERIES, ("CPU",), c.host_queries))
+            moved.append((CHUNK_HITS, ("CPU",), c.host_hits))
+        for name, labels, total in moved:
+            key = (name, labels)
+            step = total - last.get(key, 0)
+            if step:
+                last[key] = total
+                sink.increase_counter(name, step, labels)
+
     def _changed(
         self, signature: tuple[Any, ...]
     ) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
@@ -332,15 +399,17 @@ class MetricsEmitter:
         core = self.core
         c, pool, admission = core.counters, core.pool, core.admission
         signature: tuple[Any, ...] = (
-            pool.num_blocks,
+            # Read by the host tier's rows alone (_HOST_FIELDS of them) ...
             pool.num_storing,
             pool.num_read_pinned,
             c.host_queries,
             c.host_hits,
             c.store_failures,
-            c.writes_dropped,
             c.promotion_allocation_failures,
             None if admission is None else admission.stores_skipped,
+            # ... and by the tiers' rows.
+            pool.num_blocks,
+            c.writes_dropped,
         )
         if not self.tiering:
             return signature
@@ -396,30 +465,37 @@ class MetricsEmitter:
         host = ("CPU",)
         yield "counter", CHUNK_QUERIES, self._delta(CHUNK_QUERIES, host, c.host_queries), host
         yield "counter", CHUNK_HITS, self._delta(CHUNK_HITS, host, c.host_hits), host
+        faults_seen = self._faults_seen
         for tier in core.secondary_tiers:
             lab = (tier.name,)
             s = tier.stats
-            faults = tier.faults()
+            # Fault counts only grow: with the same total, no kind moved (rows skipped).
+            count = tier.fault_count
+            faults = tier.faults() if faults_seen.get(tier.name) != count else None
+            faults_seen[tier.name] = count
             yield "counter", CHUNK_QUERIES, self._delta(CHUNK_QUERIES, lab, s.queries), lab
             yield "counter", CHUNK_HITS, self._delta(CHUNK_HITS, lab, s.hits), lab
             yield "counter", READ_BYTES, self._delta(READ_BYTES, lab, s.read_bytes), lab
             yield "counter", READ_TIME, self._delta(READ_TIME, lab, s.read_seconds), lab
             yield "counter", WRITE_BYTES, self._delta(WRITE_BYTES, lab, s.write_bytes), lab
             yield "counter", WRITE_TIME, self._delta(WRITE_TIME, lab, s.write_seconds), lab
-            read_faults = sum(faults[k] for k in ("corrupt", "truncated", "vanished", "unreadable"))
-            write_faults = faults["disk_full"] + faults["write_failed"]
-            yield (
-                "counter",
-                PROMOTION_JOB_FAILURES,
-                self._delta(PROMOTION_JOB_FAILURES, lab, read_faults),
-                lab,
-            )
-            yield (
-                "counter",
-                CASCADE_JOB_FAILURES,
-                self._delta(CASCADE_JOB_FAILURES, lab, write_faults),
-                lab,
-            )
+            if faults is not None:
+                read_faults = sum(
+                    faults[k] for k in ("corrupt", "truncated", "vanished", "unreadable")
+                )
+                write_faults = faults["disk_full"] + faults["write_failed"]
+                yield (
+                    "counter",
+                    PROMOTION_JOB_FAILURES,
+                    self._delta(PROMOTION_JOB_FAILURES, lab, read_faults),
+                    lab,
+                )
+                yield (
+                    "counter",
+                    CASCADE_JOB_FAILURES,
+                    self._delta(CASCADE_JOB_FAILURES, lab, write_faults),
+                    lab,
+                )
             yield (
                 "counter",
                 STORES_DROPPED,
@@ -429,11 +505,12 @@ class MetricsEmitter:
             evicted = self._delta(TIER_EVICTIONS, lab, s.evictions)
             yield "counter", TIER_EVICTIONS, evicted, lab
             yield "counter", FS_EVICTIONS, evicted, lab
-            for kind in FAULT_KINDS:
-                fl = (tier.name, str(kind))
-                failed = self._delta(TIER_FAULTS, fl, faults[kind])
-                yield "counter", TIER_FAULTS, failed, fl
-                yield "counter", FS_FAULTS, failed, fl
+            if faults is not None:
+                for kind in FAULT_KINDS:
+                    fl = (tier.name, str(kind))
+                    failed = self._delta(TIER_FAULTS, fl, faults[kind])
+                    yield "counter", TIER_FAULTS, failed, fl
+                    yield "counter", FS_FAULTS, failed, fl
             yield "gauge", TIER_USED_BYTES, tier.used_bytes, lab
             yield "gauge", FS_USED_BYTES, tier.used_bytes, lab
             yield "gauge", ACTIVE_PROMOTION_JOBS, core.promoting_blocks, lab

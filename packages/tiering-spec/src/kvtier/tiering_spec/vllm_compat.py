@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.kv_offload import base as _base
@@ -123,23 +123,14 @@ def _stats_class() -> Any:
     return OffloadingConnectorStats
 
 
+def new_stats() -> Any:
+    """An empty ``OffloadingConnectorStats`` of vLLM's."""
+    return _stats_class()()
+
+
 def gauge_stats(gauges: list[tuple[str, Any]]) -> Any:
     """vLLM's ``OffloadingConnectorStats`` holding ``gauges`` (name, value; no labels)."""
     stats = _stats_class()()
     for name, value in gauges:
         stats.set_gauge(name, value)
     return stats
-
-
-def manager_stats(rows: Iterator[tuple[str, str, Any, tuple[str, ...]]]) -> Any:
-    """vLLM's ``OffloadingConnectorStats`` of a manager's metric rows, or None."""
-    stats = _stats_class()()
-    for kind, name, value, labels in rows:
-        if kind == "counter":
-            if value:
-                stats.increase_counter(name, value, labels)
-        elif kind == "gauge":
-            stats.set_gauge(name, value, labels)
-        else:
-            stats.observe_histogram(name, value, labels)
-    return None if stats.is_empty() else stats

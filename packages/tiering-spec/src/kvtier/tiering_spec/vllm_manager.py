@@ -273,8 +273,9 @@ class KvtierOffloadingManager(OffloadingManager):
         quiet = metrics.quiet_gauges()
         if quiet is not None:  # most steps: only the gauges vLLM's manager always sends
             return compat.gauge_stats(quiet)
-        rows = list(metrics.collect_changed())
-        return compat.manager_stats(iter(rows)) if rows else None
+        stats = compat.new_stats()
+        metrics.write_changed(stats)
+        return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
         if not self.core.shutdown():
