@@ -320,6 +320,28 @@ def test_a_step_where_nothing_changed_emits_only_the_usage_gauges() -> None:
     assert emitted[metrics.CPU_CACHE_WRITE_USAGE_PERC] == 0.25
 
 
+def random_step(
+    mgr: TierManager, op: int, some: list[bytes], p: float, other_size: int = 6
+) -> None:
+    """One random step of the emitter tests: a store (completed or failed, or left in
+    flight), lookups, a load, or a reset to 6 or ``other_size`` host blocks."""
+    if op == 0:
+        plan = mgr.prepare_store(some)
+        if plan is not None and p < 0.7:
+            mgr.complete_store(plan[0], success=p < 0.55)
+    elif op == 1:
+        for k in some:
+            mgr.lookup(k)
+    elif op == 2:
+        cached = [k for k in some if mgr.pool.contains(k)]
+        if cached:
+            mgr.prepare_load(cached)
+            if p < 0.8:
+                mgr.complete_load(cached)
+    elif op == 3 and p < 0.1:
+        mgr.reset(HostBlockPool(6 if p < 0.05 else other_size))
+
+
 def test_skipping_unchanged_steps_emits_what_computing_every_step_does() -> None:
     """The emitter's shortcut (a signature of what it reads) against collecting every
     step, over the same random stores, loads, lookups, failures and resets."""
@@ -336,21 +358,7 @@ def test_skipping_unchanged_steps_emits_what_computing_every_step_does() -> None
         em = metrics.MetricsEmitter(mgr, tiering=False)
         out = []
         for op, some, p in ops:
-            if op == 0:
-                plan = mgr.prepare_store(some)
-                if plan is not None and p < 0.7:
-                    mgr.complete_store(plan[0], success=p < 0.55)
-            elif op == 1:
-                for k in some:
-                    mgr.lookup(k)
-            elif op == 2:
-                cached = [k for k in some if mgr.pool.contains(k)]
-                if cached:
-                    mgr.prepare_load(cached)
-                    if p < 0.8:
-                        mgr.complete_load(cached)
-            elif op == 3 and p < 0.1:
-                mgr.reset(HostBlockPool(6))
+            random_step(mgr, op, some, p)
             if every_row:
                 em._signed = None  # the reference computes every row, every step
             if quiet_first:  # as the vLLM manager's get_stats asks
@@ -445,22 +453,8 @@ def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
         em = metrics.MetricsEmitter(mgr, tiering=tiering)
         out = []
         for op, some, p in ops:
-            if op == 0:
-                plan = mgr.prepare_store(some)
-                if plan is not None and p < 0.7:
-                    mgr.complete_store(plan[0], success=p < 0.55)
-            elif op == 1:
-                for k in some:
-                    mgr.lookup(k)
-            elif op == 2:
-                cached = [k for k in some if mgr.pool.contains(k)]
-                if cached:
-                    mgr.prepare_load(cached)
-                    if p < 0.8:
-                        mgr.complete_load(cached)
-            elif op == 3 and p < 0.1:
-                mgr.reset(HostBlockPool(6 if p < 0.05 else 8))
-            elif op == 4 and p < 0.3:
+            random_step(mgr, op, some, p, other_size=8)
+            if op == 4 and p < 0.3:
                 mgr.counters.promotion_allocation_failures += 1
                 mgr.counters.writes_dropped += p < 0.1
                 tier.stats.hits += p < 0.15
@@ -475,14 +469,7 @@ def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
                     for name, value in gauges:
                         sink.set_gauge(name, value)
             else:
-                for kind, name, value, labels in em.collect():
-                    if kind == "counter":
-                        if value:
-                            sink.increase_counter(name, value, labels)
-                    elif kind == "gauge":
-                        sink.set_gauge(name, value, labels)
-                    else:
-                        sink.observe_histogram(name, value, labels)
+                metrics.write_rows(em.collect(), sink)
             out.append(sink.held)
         return out
 

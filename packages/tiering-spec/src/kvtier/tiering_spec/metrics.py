@@ -8,7 +8,7 @@ for what vLLM has no name for (fs faults, fs bytes held). Every name emitted by
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from kvtier.blockpool import ALLOCATION_BUCKETS
@@ -267,6 +267,19 @@ class StatsSink(Protocol):
     def observe_histogram(self, name: str, value: Any, labels: tuple[str, ...] = ()) -> None: ...
 
 
+def write_rows(rows: Iterable[tuple[str, str, Any, tuple[str, ...]]], sink: StatsSink) -> None:
+    """Write (kind, name, value, label values) rows into ``sink``; counters that did
+    not move are left out."""
+    for kind, name, value, labels in rows:
+        if kind == "counter":
+            if value:
+                sink.increase_counter(name, value, labels)
+        elif kind == "gauge":
+            sink.set_gauge(name, value, labels)
+        else:
+            sink.observe_histogram(name, value, labels)
+
+
 class MetricsEmitter:
     """Turns a :class:`TierManager`'s cumulative counters into per-interval values."""
 
@@ -329,14 +342,7 @@ class MetricsEmitter:
             signature = self._signature()
         signed = self._signed
         if signed is None or signature[_HOST_FIELDS:] != signed[_HOST_FIELDS:]:
-            for kind, name, value, labels in self._changed(signature):
-                if kind == "counter":
-                    if value:
-                        sink.increase_counter(name, value, labels)
-                elif kind == "gauge":
-                    sink.set_gauge(name, value, labels)
-                else:
-                    sink.observe_histogram(name, value, labels)
+            write_rows(self._changed(signature), sink)
             return
         self._signed = signature
         core = self.core
