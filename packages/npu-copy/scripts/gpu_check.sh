@@ -7,7 +7,8 @@
 # Uses $PYTHON (default python3) when it already has a CUDA torch; otherwise creates a venv
 # under OUT_DIR and installs torch from the package index (the default Linux wheel is a
 # CUDA build). Where pytest and hypothesis are already there, nothing is installed (the
-# package runs from the source tree), so it also works on a machine with no index. Writes OUT_DIR/pytest.log, OUT_DIR/bench.json and OUT_DIR/bench.txt.
+# package runs from the source tree), so it also works on a machine with no index.
+# Writes OUT_DIR/pytest.log, OUT_DIR/bench.json and OUT_DIR/bench.txt.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"

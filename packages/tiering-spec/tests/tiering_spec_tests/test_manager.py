@@ -482,6 +482,12 @@ def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
             metrics.STORES_DROPPED,
             metrics.TIER_FAULTS,
         } <= counters
+        for held in rows:  # the host tier's chunk counters are its own counters again
+            for chunk, own in (
+                (metrics.CHUNK_QUERIES, metrics.HOST_QUERIES),
+                (metrics.CHUNK_HITS, metrics.HOST_HITS),
+            ):
+                assert held.get(("counter", chunk, ("CPU",))) == held.get(("counter", own, ()))
     for step, (a, b) in enumerate(zip(direct, rows)):
         assert a == b, f"step {step} ({ops[step][0]}): {a} != {b}"
 

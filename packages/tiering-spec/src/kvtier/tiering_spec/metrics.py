@@ -345,38 +345,49 @@ class MetricsEmitter:
             write_rows(self._changed(signature), sink)
             return
         self._signed = signature
-        core = self.core
-        pool, c, gauges, last = core.pool, core.counters, self._gauges, self._last
-        capacity = pool.num_blocks
-        cap = capacity or 1
-        write = pool.num_storing / cap
-        read = min(pool.num_read_pinned, capacity) / cap
-        for name, value in (
-            (CPU_CACHE_USAGE_PERC, min(1.0, write + read)),
-            (CPU_CACHE_WRITE_USAGE_PERC, write),
-            (CPU_CACHE_READ_USAGE_PERC, read),
-        ):
+        gauges, last = self._gauges, self._last
+        for name, value in self._host_gauges():
             gauges[(name, ())] = value
             sink.set_gauge(name, value, ())
-        for size in core.take_allocation_sizes():
+        for size in self.core.take_allocation_sizes():
             sink.observe_histogram(CPU_ALLOCATION_SIZE, size, ())
-        moved: list[tuple[str, tuple[str, ...], float]] = [
-            (HOST_QUERIES, (), c.host_queries),
-            (HOST_HITS, (), c.host_hits),
-            (HOST_STORE_FAILURES, (), c.store_failures),
-        ]
-        if core.admission is not None:
-            moved.append((STORES_SKIPPED, (), core.admission.stores_skipped))
-        if self.tiering:
-            moved.append((PROMOTION_ALLOCATION_FAILURES, (), c.promotion_allocation_failures))
-            moved.append((CHUNK_QUERIES, ("CPU",), c.host_queries))
-            moved.append((CHUNK_HITS, ("CPU",), c.host_hits))
-        for name, labels, total in moved:
+        for name, labels, total in self._host_totals():
             key = (name, labels)
             step = total - last.get(key, 0)
             if step:
                 last[key] = total
                 sink.increase_counter(name, step, labels)
+
+    def _host_gauges(self) -> tuple[tuple[str, float], ...]:
+        """The host tier's usage gauges (name, value), as vLLM's manager computes them."""
+        pool = self.core.pool
+        capacity = pool.num_blocks
+        cap = capacity or 1
+        write = pool.num_storing / cap
+        read = min(pool.num_read_pinned, capacity) / cap
+        return (
+            (CPU_CACHE_USAGE_PERC, min(1.0, write + read)),
+            (CPU_CACHE_WRITE_USAGE_PERC, write),
+            (CPU_CACHE_READ_USAGE_PERC, read),
+        )
+
+    def _host_totals(self) -> list[tuple[str, tuple[str, ...], float]]:
+        """(name, label values, cumulative total) of the counters the host tier's
+        fields of the signature move, in the order :meth:`_rows` emits them."""
+        core = self.core
+        c = core.counters
+        totals: list[tuple[str, tuple[str, ...], float]] = [
+            (HOST_QUERIES, (), c.host_queries),
+            (HOST_HITS, (), c.host_hits),
+            (HOST_STORE_FAILURES, (), c.store_failures),
+        ]
+        if core.admission is not None:
+            totals.append((STORES_SKIPPED, (), core.admission.stores_skipped))
+        if self.tiering:
+            totals.append((PROMOTION_ALLOCATION_FAILURES, (), c.promotion_allocation_failures))
+            totals.append((CHUNK_QUERIES, ("CPU",), c.host_queries))
+            totals.append((CHUNK_HITS, ("CPU",), c.host_hits))
+        return totals
 
     def _changed(
         self, signature: tuple[Any, ...]
@@ -438,39 +449,16 @@ class MetricsEmitter:
 
     def _rows(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         core = self.core
-        pool = core.pool
-        capacity = pool.num_blocks
-        cap = capacity or 1
-        write = pool.num_storing / cap
-        read = min(pool.num_read_pinned, capacity) / cap
-        yield "gauge", CPU_CACHE_USAGE_PERC, min(1.0, write + read), ()
-        yield "gauge", CPU_CACHE_WRITE_USAGE_PERC, write, ()
-        yield "gauge", CPU_CACHE_READ_USAGE_PERC, read, ()
+        for name, value in self._host_gauges():
+            yield "gauge", name, value, ()
         for size in core.take_allocation_sizes():
             yield "histogram", CPU_ALLOCATION_SIZE, size, ()
-        c = core.counters
-        yield "counter", HOST_QUERIES, self._delta(HOST_QUERIES, (), c.host_queries), ()
-        yield "counter", HOST_HITS, self._delta(HOST_HITS, (), c.host_hits), ()
-        yield (
-            "counter",
-            HOST_STORE_FAILURES,
-            self._delta(HOST_STORE_FAILURES, (), c.store_failures),
-            (),
-        )
-        if core.admission is not None:
-            skipped = core.admission.stores_skipped
-            yield "counter", STORES_SKIPPED, self._delta(STORES_SKIPPED, (), skipped), ()
+        for name, labels, total in self._host_totals():
+            yield "counter", name, self._delta(name, labels, total), labels
         if not self.tiering:
             return
-        yield (
-            "counter",
-            PROMOTION_ALLOCATION_FAILURES,
-            self._delta(PROMOTION_ALLOCATION_FAILURES, (), c.promotion_allocation_failures),
-            (),
-        )
-        host = ("CPU",)
-        yield "counter", CHUNK_QUERIES, self._delta(CHUNK_QUERIES, host, c.host_queries), host
-        yield "counter", CHUNK_HITS, self._delta(CHUNK_HITS, host, c.host_hits), host
+        c = core.counters
+        cap = core.pool.num_blocks or 1
         faults_seen = self._faults_seen
         for tier in core.secondary_tiers:
             lab = (tier.name,)

@@ -130,7 +130,7 @@ def new_stats() -> Any:
 
 def gauge_stats(gauges: list[tuple[str, Any]]) -> Any:
     """vLLM's ``OffloadingConnectorStats`` holding ``gauges`` (name, value; no labels)."""
-    stats = _stats_class()()
+    stats = new_stats()
     for name, value in gauges:
         stats.set_gauge(name, value)
     return stats
