@@ -624,10 +624,9 @@ def conformance(session: nox.Session) -> None:
         session, "pytest", "-p", "no:cacheprovider", "-p", "conformance.vllm_0_32.plugin",
         "-c", str(CONFORMANCE / "pytest.ini"), "--rootdir", str(tree),
         *[str(tree / f) for f in files["run"]],
-        *_workers(),
-        *(session.posargs or []),
+        *(session.posargs or _workers()),  # pytest arguments replace the workers'
         env={
-            **(_one_core_each() if _workers() else {}),
+            **(_one_core_each() if _workers() and not session.posargs else {}),
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(tree)]),
             "KVTIER_CONFORMANCE_DIR": str(work),
             "KVTIER_TINY_MODEL_DIR": str(work / "models"),

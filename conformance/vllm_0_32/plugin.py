@@ -41,8 +41,14 @@ offload region, the file mapper, the canonical layout and the swap kernels
 and bare specs, and its metadata).
 
 Expected deviations are in ``deviations.toml``: each is marked ``xfail(strict=True)``
-with the exception it must fail with, so any other failure fails the run, and so do a
-deviation that starts passing and an entry that matches no test.
+with the exception it must fail with and a pattern of its cause (``match``, searched in
+"Type: message" and the statement that raised it), so any other failure fails the run,
+and so do a deviation that starts passing and an entry that matches no test.
+
+Each test's setup and call are watched for a Python call into kvtier's code (see
+``_NOT_KVTIER`` for the modules that do not count): the summary says how many of the
+passes and of the deviations ran it, and ``results.json`` in ``KVTIER_CONFORMANCE_DIR``
+holds each test's outcome.
 ``KVTIER_CONFORMANCE_BASELINE=1`` runs the same tests with the same models against
 vLLM's own classes, without deviations (whose failure is it?).
 """
@@ -52,6 +58,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -88,8 +95,10 @@ def _exception(name: str) -> type[BaseException]:
     return cls
 
 
-def _load_deviations() -> list[tuple[str, str, dict[str, Any]]]:
-    """(node id or pattern, reason, xfail's other arguments) of each listed deviation."""
+def _load_deviations() -> list[tuple[str, str, dict[str, Any], str | None]]:
+    """(node id or pattern, reason, xfail's other arguments, the cause's pattern) of
+    each listed deviation. A test is a node id, or a table ``{test = ..., match = ...}``
+    whose ``match`` replaces its group's."""
     data = tomllib.loads(DEVIATIONS.read_text())
     entries = []
     for group in data.get("deviation", []):
@@ -103,7 +112,19 @@ def _load_deviations() -> list[tuple[str, str, dict[str, Any]]]:
         options: dict[str, Any] = {"run": bool(group.get("run", True))}
         if "raises" in group:
             options["raises"] = _exception(group["raises"])
-        entries.extend((test, reason, options) for test in group["tests"])
+        for test in group["tests"]:
+            match = group.get("match")
+            if isinstance(test, dict):
+                test, match = test["test"], test.get("match", match)
+            if options["run"] and not (options.get("raises") and match):
+                raise pytest.UsageError(
+                    f"{DEVIATIONS.name}: {test}: a deviation that runs names its cause: "
+                    "raises (the exception) and match (a regular expression searched in "
+                    "'Type: message' and the statement that raised it)"
+                )
+            if match is not None:
+                re.compile(match)
+            entries.append((test, reason, options, match))
     return entries
 
 
@@ -176,7 +197,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_DEVIATIONS] = _load_deviations()
 
 
-_DEVIATIONS = pytest.StashKey[list[tuple[str, str, dict[str, Any]]]]()
+_DEVIATIONS = pytest.StashKey[list[tuple[str, str, dict[str, Any], str | None]]]()
+_MATCH = pytest.StashKey[str]()
 _SAVED = pytest.StashKey[list[tuple[Any, str, Any]]]()
 
 
@@ -204,12 +226,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         nodeid = _node_id(item)
         files.add(nodeid.split("::", 1)[0])
-        for pattern, reason, options in deviations:
+        for pattern, reason, options, match in deviations:
             if nodeid == pattern or fnmatch.fnmatchcase(nodeid, pattern):
                 used.add(pattern)
                 item.add_marker(pytest.mark.xfail(reason=reason, strict=True, **options))
+                if match is not None:
+                    item.stash[_MATCH] = match
                 break
-    stale = [p for p, _, _ in deviations if p not in used and p.split("::", 1)[0] in files]
+    stale = [p for p, _, _, _ in deviations if p not in used and p.split("::", 1)[0] in files]
     if config.getoption("keyword") or config.getoption("markexpr"):
         stale = []  # a selection: entries may well match nothing in it
     _STALE.update(stale)
@@ -229,9 +253,132 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# -- which tests exercise kvtier --------------------------------------------------------
+
+# Whose code counts as kvtier's behaviour: every kvtier module but the test helpers and
+# those that only forward to vLLM's code here. kvtier's ``OffloadingConnector`` is vLLM's
+# unchanged unless a kvtier spec drives it (whose code then counts); the plugin registers
+# names; the port and vllm_compat read vLLM's facts and shapes.
+_NOT_KVTIER = (
+    "kvtier.testkit",
+    "kvtier.vllm_port",
+    "kvtier.tiering_spec.connector",
+    "kvtier.tiering_spec.plugin",
+    "kvtier.tiering_spec.vllm_compat",
+)
+_EXERCISED = pytest.StashKey[bool]()
+
+
+def _is_kvtier(module: object) -> bool:
+    return (
+        isinstance(module, str)
+        and module.startswith("kvtier.")
+        and not module.startswith(_NOT_KVTIER)
+    )
+
+
+class _Watch:
+    """A profile function (``sys.setprofile``) that notes the first Python call into
+    kvtier's code and then takes itself off, so a test pays for it only until kvtier
+    runs."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: Any = None
+
+    def start(self) -> None:
+        self._previous = sys.getprofile()
+        sys.setprofile(self)
+
+    def stop(self) -> None:
+        if sys.getprofile() is self:
+            sys.setprofile(self._previous)
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and _is_kvtier(frame.f_globals.get("__name__")):
+            self.seen = True
+            sys.setprofile(self._previous)
+
+
+def _watched(item: pytest.Item) -> Any:
+    """Run a test phase (setup, call) noting whether kvtier's code ran in it."""
+    if item.stash.get(_EXERCISED, False):
+        yield
+        return
+    watch = _Watch()
+    watch.start()
+    try:
+        yield
+    finally:
+        watch.stop()
+        item.stash[_EXERCISED] = watch.seen
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    yield from _watched(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    yield from _watched(item)
+
+
+def _failure_text(excinfo: Any) -> str:
+    """What a deviation's ``match`` is searched in: the exception as pytest shows it
+    (type: message) and the statement it was raised at."""
+    text = excinfo.exconly()
+    try:
+        text += "\n" + str(excinfo.traceback[-1].statement).strip()
+    except Exception:  # no source at hand (a compiled frame)
+        pass
+    return text
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if report.when == "teardown":
+        return
+    report.user_properties.append(("kvtier_exercised", item.stash.get(_EXERCISED, False)))
+    if not (report.skipped and hasattr(report, "wasxfail")) or call.excinfo is None:
+        return
+    # An expected deviation: it must fail for the cause its entry names.
+    text = _failure_text(call.excinfo)
+    report.user_properties.append(("kvtier_failure", text))
+    match = item.stash.get(_MATCH, None)
+    if match is not None and not re.search(match, text):
+        report.outcome = "failed"
+        del report.wasxfail
+        report.longrepr = (
+            f"{item.nodeid}: an expected deviation failed for another cause than its "
+            f"entry in {DEVIATIONS.name} names (match = {match!r}):\n{text}\n\n"
+            f"{call.excinfo.getrepr(style='short')}"
+        )
+
+
 _STALE: set[str] = set()
 _COUNTS: dict[str, int] = {"passed": 0, "failed": 0, "xpassed": 0, "skipped": 0}
 _BY_REASON: dict[str, int] = {}
+# Of the passed tests and of the expected deviations, those that ran kvtier's code, by
+# test file; and each test's outcome (written to KVTIER_CONFORMANCE_DIR/results.json).
+_EXERCISING: dict[str, dict[str, int]] = {"passed": {}, "deviations": {}}
+_RESULTS: dict[str, dict[str, Any]] = {}
+
+
+def _record(report: pytest.TestReport, outcome: str) -> None:
+    props = dict(report.user_properties)
+    exercised = bool(props.get("kvtier_exercised"))
+    nodeid = report.nodeid[max(report.nodeid.find("tests/v1/"), 0) :]
+    entry: dict[str, Any] = {"outcome": outcome, "kvtier": exercised}
+    if "kvtier_failure" in props:
+        entry["failure"] = props["kvtier_failure"]
+    _RESULTS[nodeid] = entry
+    if exercised and outcome in _EXERCISING:
+        per_file = _EXERCISING[outcome]
+        name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        per_file[name] = per_file.get(name, 0) + 1
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -246,14 +393,19 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
                 kind = next((p for p in REASON_PREFIXES if text.startswith(p)), "other")
                 kind = f"{kind.rstrip(': ')} (listed, not run)"
             _BY_REASON[kind] = _BY_REASON.get(kind, 0) + 1
+            _record(report, "deviations")
         elif reason is not None or str(report.longrepr).startswith("[XPASS(strict)]"):
             _COUNTS["xpassed"] += 1
+            _record(report, "xpassed")
         elif report.passed:
             _COUNTS["passed"] += 1
+            _record(report, "passed")
         elif report.skipped:
             _COUNTS["skipped"] += 1
+            _record(report, "skipped")
         else:
             _COUNTS["failed"] += 1
+            _record(report, "failed")
     elif report.when == "teardown" and report.failed:
         _COUNTS["failed"] += 1
 
@@ -261,14 +413,26 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     deviations = sum(_BY_REASON.values())
     ran = deviations + _COUNTS["passed"] + _COUNTS["failed"] + _COUNTS["xpassed"]
+    exercising = {k: sum(v.values()) for k, v in _EXERCISING.items()}
     write = terminalreporter.write_line
     terminalreporter.write_sep("=", "kvtier against vLLM 0.32.0's offloading tests")
     write(
-        f"ran {ran}: {_COUNTS['passed']} passed, {deviations} expected deviations, "
-        f"{_COUNTS['failed']} failed, {_COUNTS['xpassed']} deviations that now pass; "
-        f"{_COUNTS['skipped']} skipped by vLLM on this platform"
+        f"ran {ran}: {_COUNTS['passed']} passed, of which {exercising['passed']} ran "
+        f"kvtier's code; {deviations} expected deviations, of which "
+        f"{exercising['deviations']} ran kvtier's code; {_COUNTS['failed']} failed, "
+        f"{_COUNTS['xpassed']} deviations that now pass; {_COUNTS['skipped']} skipped by "
+        "vLLM on this platform"
     )
+    write(f"passed and ran kvtier's code: {exercising['passed']}")
+    for name, count in sorted(_EXERCISING["passed"].items()):
+        write(f"  {count:4d}  {name}")
+    write("expected deviations, by reason:")
     for kind, count in sorted(_BY_REASON.items()):
         write(f"  {count:4d}  {kind.rstrip(': ')}")
     for pattern in sorted(_STALE):
         write(f"stale entry of {DEVIATIONS.name} (it matches no test; remove it): {pattern}")
+    workdir = os.environ.get("KVTIER_CONFORMANCE_DIR")
+    if workdir and _RESULTS:
+        out = Path(workdir) / "results.json"
+        out.write_text(json.dumps(dict(sorted(_RESULTS.items())), indent=1))
+        write(f"each test's outcome, and whether it ran kvtier's code: {out}")
