@@ -163,3 +163,25 @@ def test_tiering_spec_through_vllm_serve(tiny_model: Path, tmp_path: Path) -> No
     assert total(metrics, "vllm:external_prefix_cache_hits_total") > 0, "no offload hits"
     by_tier = prometheus_values(metrics, "vllm:kv_offload_tiering_chunk_hits_total")
     assert any("fs" in labels and v > 0 for labels, v in by_tier.items()), by_tier
+    # vLLM's tiering metrics of lookup delays and back-pressure, labelled by tier: every
+    # fs lookup that answered is observed once; the fs tier's writes (more than the
+    # EMA's warm-up of 10) set its store latency EMA.
+    fs_queries = sum(
+        v
+        for labels, v in prometheus_values(
+            metrics, "vllm:kv_offload_tiering_chunk_queries_total"
+        ).items()
+        if 'tier="fs"' in labels
+    )
+    sync = prometheus_values(metrics, "vllm:kv_offload_tiering_lookup_sync_delay_seconds_count")
+    assert (
+        fs_queries > 0
+        and sum(v for labels, v in sync.items() if 'tier="fs"' in labels) == fs_queries
+    ), (sync, fs_queries)
+    ema = prometheus_values(metrics, "vllm:kv_offload_tiering_backpressure_store_latency_ema")
+    assert any('tier="fs"' in labels and 0 < v < 10 for labels, v in ema.items()), ema
+    for name in (
+        "vllm:kv_offload_tiering_lookup_async_delay_seconds",
+        "vllm:kv_offload_tiering_backpressure_blocks_dropped",
+    ):
+        assert f"# TYPE {name}" in metrics, f"{name} is not declared"

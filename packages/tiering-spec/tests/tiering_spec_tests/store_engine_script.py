@@ -7,7 +7,7 @@ alone) or ``store`` (the host tier plus the store tier of CONFIG_JSON). The pref
 workload runs in two halves; with PAUSE_DIR the script writes ``PAUSE_DIR/half`` after
 the first and waits for ``PAUSE_DIR/go`` before the second (the test kills the master
 in between). OUT_JSON gets the outputs, the scheduled tokens, the store tier's hits
-and faults.
+and faults, and the engine's metrics.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main() -> None:
             result["counters"] = {k: v for k, v in vars(counters).items() if isinstance(v, int)}
             store.drain(30)
             store.poll()
+            result["metrics"] = testkit.metric_values(list(llm.get_metrics()))
             result.update(
                 objects=[store.object_keys(d)[0] for d in list(store._index)],
                 hits=store.stats.hits,

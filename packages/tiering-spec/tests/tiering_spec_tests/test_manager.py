@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from typing import Any
@@ -448,6 +449,13 @@ def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
     ]
 
     def steps(direct: bool) -> list[dict[tuple[str, str, tuple[str, ...]], object]]:
+        # The same lookup delays in both runs: a clock that ticks a microsecond a read.
+        ticks = itertools.count()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(time, "perf_counter", lambda: next(ticks) * 1e-6)
+            return run(direct)
+
+    def run(direct: bool) -> list[dict[tuple[str, str, tuple[str, ...]], object]]:
         tier = CountingTier()
         mgr = TierManager(HostBlockPool(6), [tier] if tiering else [], store_threshold=2)
         em = metrics.MetricsEmitter(mgr, tiering=tiering)
@@ -457,6 +465,11 @@ def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
             if op == 4 and p < 0.3:
                 mgr.counters.promotion_allocation_failures += 1
                 mgr.counters.writes_dropped += p < 0.1
+                if tiering:
+                    flow = mgr.flows[0]
+                    flow.dropped(int(p < 0.1) * 2)
+                    flow.write_completed(p, 1 << 20)
+                    flow.looked_up(p / 1000, p / 2 if p < 0.2 else None, p)
                 tier.stats.hits += p < 0.15
                 tier.used_bytes += 4096 * (p < 0.2)
                 tier.fault_counts["corrupt"] += p > 0.25
@@ -480,8 +493,13 @@ def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
         assert {
             metrics.PROMOTION_ALLOCATION_FAILURES,
             metrics.STORES_DROPPED,
+            metrics.BLOCKS_DROPPED,
             metrics.TIER_FAULTS,
         } <= counters
+        samples = {n for held in rows for kind, n, _ in held if kind == "histogram"}
+        assert {metrics.LOOKUP_SYNC_DELAY, metrics.LOOKUP_ASYNC_DELAY} <= samples
+        gauges = {n for held in rows for kind, n, _ in held if kind == "gauge"}
+        assert metrics.STORE_LATENCY_EMA in gauges
         for held in rows:  # the host tier's chunk counters are its own counters again
             for chunk, own in (
                 (metrics.CHUNK_QUERIES, metrics.HOST_QUERIES),
@@ -804,3 +822,110 @@ def test_a_prefix_looked_up_in_one_call_holds_its_hits_from_its_first_promotion(
     mgr.end_step()
     assert mgr.pool.held(Hold.LOOKUP_PASS) == 0
     mgr.pool.check_invariants()
+
+
+def tier_rows(mgr: TierManager) -> RecordingSink:
+    sink = RecordingSink()
+    metrics.write_rows(metrics.MetricsEmitter(mgr, tiering=True).collect(), sink)
+    return sink
+
+
+def test_back_pressure_counts_stores_and_blocks_dropped_per_tier(make_tier) -> None:
+    """vLLM's meanings: a store is one device store's write-through to a tier, dropped
+    when a block of it was not written; the blocks are counted beside it."""
+    region = Region(8)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(8), [tier], max_write_backlog=1)
+    store(mgr, region, [b"a", b"b", b"c"])  # one store: 1 block written, 2 dropped
+    store(mgr, region, [b"d"])  # the backlog is full until the write ends: dropped
+    settle(mgr)
+    store(mgr, region, [b"e"])  # room again: written
+    settle(mgr)
+    held = tier_rows(mgr).held
+    lab = (tier.name,)
+    assert held[("counter", metrics.STORES_DROPPED, lab)] == 2
+    assert held[("counter", metrics.BLOCKS_DROPPED, lab)] == 3
+    assert mgr.counters.writes_dropped == 3
+
+
+def test_store_latency_ema_follows_completed_writes(make_tier) -> None:
+    region = Region(16)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(16), [tier], max_write_backlog=64)
+    em = metrics.MetricsEmitter(mgr, tiering=True)
+    lab = (tier.name,)
+    for i in range(9):
+        store(mgr, region, [bytes([i])])
+    settle(mgr)
+    sink = RecordingSink()
+    metrics.write_rows(em.collect(), sink)
+    assert sink.held[("gauge", metrics.STORE_LATENCY_EMA, lab)] == 0.0, "warm-up: 0"
+    store(mgr, region, [b"\x09"])
+    settle(mgr)
+    sink = RecordingSink()
+    metrics.write_rows(em.collect(), sink)
+    ema = sink.held[("gauge", metrics.STORE_LATENCY_EMA, lab)]
+    # The mean of the ten writes' seconds per MiB.
+    flow_ema = mgr.flows[0].store_latency_ema
+    assert ema == flow_ema and ema > 0.0
+    mib = tier.stats.write_bytes / (1 << 20)
+    assert ema == pytest.approx(tier.stats.write_seconds / mib, rel=1e-6)
+
+
+def test_lookup_sync_delay_is_observed_per_resolved_tier_lookup(make_tier) -> None:
+    region = Region(2)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(2), [tier], max_write_backlog=64)
+    store(mgr, region, [b"a"])
+    settle(mgr)
+    mgr.reset(HostBlockPool(2))  # the host tier forgets it; the fs tier holds it
+    assert mgr.lookup(b"a", "r1") is Lookup.HIT_PENDING  # fs hit: a promotion
+    assert mgr.lookup(b"z", "r1") is Lookup.MISS  # fs miss
+    held = tier_rows(mgr).held
+    delays = held[("histogram", metrics.LOOKUP_SYNC_DELAY, (tier.name,))]
+    assert len(delays) == 2 and all(0.0 <= d < 1.0 for d in delays)
+    assert ("histogram", metrics.LOOKUP_ASYNC_DELAY, (tier.name,)) not in held
+    assert not any(k[1] == metrics.LOOKUP_SYNC_DELAY and k[2] == ("CPU",) for k in held)
+
+
+class AskingTier(CountingTier):
+    """Answers "not known yet" to a digest's first ``asks`` lookups, then that it holds
+    nothing (a store tier asking its store in the background)."""
+
+    name = "asking"
+
+    def __init__(self, asks: int) -> None:
+        super().__init__()
+        self.asks = asks
+        self.asked: dict[bytes, int] = {}
+
+    def contains(self, digest: bytes) -> bool | None:
+        n = self.asked[digest] = self.asked.get(digest, 0) + 1
+        return None if n <= self.asks else False
+
+
+def test_lookup_async_delay_runs_from_the_first_retry_to_the_answer() -> None:
+    tier = AskingTier(asks=2)
+    mgr = TierManager(HostBlockPool(2), [tier])  # type: ignore[list-item]
+    em = metrics.MetricsEmitter(mgr, tiering=True)
+    start = time.perf_counter()
+    assert mgr.lookup(b"a", "r1") is Lookup.HIT_PENDING
+    time.sleep(0.02)
+    assert mgr.lookup(b"a", "r1") is Lookup.HIT_PENDING
+    sink = RecordingSink()
+    metrics.write_rows(em.collect(), sink)
+    assert ("histogram", metrics.LOOKUP_SYNC_DELAY, ("asking",)) not in sink.held, (
+        "no answer yet: nothing observed"
+    )
+    time.sleep(0.02)
+    assert mgr.lookup(b"a", "r1") is Lookup.MISS
+    waited = time.perf_counter() - start
+    sink = RecordingSink()
+    metrics.write_rows(em.collect(), sink)
+    (delay,) = sink.held[("histogram", metrics.LOOKUP_ASYNC_DELAY, ("asking",))]
+    assert 0.04 <= delay <= waited
+    assert len(sink.held[("histogram", metrics.LOOKUP_SYNC_DELAY, ("asking",))]) == 1
+    # Taken once: the next collect holds none.
+    sink = RecordingSink()
+    metrics.write_rows(em.collect(), sink)
+    assert not any(k[0] == "histogram" for k in sink.held)

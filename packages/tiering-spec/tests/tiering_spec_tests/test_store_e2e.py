@@ -91,6 +91,13 @@ def test_a_fresh_engine_serves_another_engines_prefixes_from_the_store(
         reference["outputs"], b["outputs"]
     )
     assert b["faults"]["corrupt"] == 1, b["faults"]
+    # vLLM's tiering metrics: engine B's lookups were first answered "not known yet" (the
+    # tier asks the store in the background), then resolved: both delays observed.
+    m = b["metrics"]
+    sync = m.get("vllm:kv_offload_tiering_lookup_sync_delay_seconds:count", 0)
+    waited = m.get("vllm:kv_offload_tiering_lookup_async_delay_seconds:count", 0)
+    assert 0 < waited <= sync, m
+    assert m.get("vllm:kv_offload_tiering_backpressure_store_latency_ema", 0) >= 0, m
     computed = b["scheduled_tokens"] - DECODE_TOKENS
     without = alone["scheduled_tokens"] - DECODE_TOKENS
     print(f"prompt tokens computed: {without} without the store tier, {computed} with it")
@@ -126,3 +133,8 @@ def test_the_master_killed_mid_run_leaves_the_engine_serving(
     )
     assert c["hits"] > 0, "the first half was not served from the store"
     assert c["faults"]["unreachable"] + c["faults"]["unreadable"] > 0, c["faults"]
+    # With the master gone, write-throughs are dropped: vLLM's back-pressure counters.
+    m = c["metrics"]
+    stores = m.get("vllm:kv_offload_tiering_backpressure_stores_dropped", 0)
+    blocks = m.get("vllm:kv_offload_tiering_backpressure_blocks_dropped", 0)
+    assert 0 < stores <= blocks, m

@@ -47,12 +47,15 @@ from kvtier.blockpool import (
     PoolStats,
     StoreAdmissionFilter,
 )
+from kvtier.tiering_spec.tier_flow import TierFlow
 from kvtier.tiering_spec.tiers.base import SecondaryTier, TierFault, TierJob, TierResult
 from kvtier.tiering_spec.tiers.fs_format import key_digest
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
 _MAX_LOAD_SOURCES = 100_000
+# Lookups answered "not known yet" remembered for their async delay (then forgotten).
+_MAX_ASKING = 16_384
 # How long a reset waits for fs jobs in flight before it goes on without them.
 DRAIN_TIMEOUT_S = 30.0
 # A promoted block stays pinned in the host tier until vLLM loads it, or this many
@@ -117,6 +120,12 @@ class TierManager:
             max_write_backlog if max_write_backlog is not None else max(1, pool.num_blocks * 3 // 4)
         )
         self.counters = TierCounters()
+        # Per secondary tier: back-pressure and lookup delays (vLLM's tiering metrics);
+        # lookups a tier answered "not known yet", by (tier index, digest) -> since when.
+        self.flows = [TierFlow() for _ in self.secondary_tiers]
+        self._asking: dict[tuple[int, bytes], float] = {}
+        # Blocks a store's write-through dropped before its job, by (tier index, store).
+        self._write_drops: dict[tuple[int, str], int] = {}
         self._promoting: dict[bytes, int] = {}  # key -> tier index
         # Keys whose read timed out: their host blocks stay reserved (storing) until the
         # tier's "release" result, as the late call may still write into them.
@@ -185,11 +194,19 @@ class TierManager:
             return Lookup.MISS
         digest = self._digest(key)
         unknown = False
+        clock = time.perf_counter
         for idx, tier in enumerate(self.secondary_tiers):
+            start = clock()
             found = tier.contains(digest)
             if found is None:  # a store tier is asking its store: ask again next step
+                if len(self._asking) >= _MAX_ASKING:
+                    self._asking.clear()
+                self._asking.setdefault((idx, digest), start)
                 unknown = True
                 continue
+            now = clock()
+            since = self._asking.pop((idx, digest), None) if self._asking else None
+            self.flows[idx].looked_up(now - start, since, now)
             if not found:
                 continue
             if len(self._promoting) + len(self._fresh) >= self.max_promoting and (
@@ -353,6 +370,7 @@ class TierManager:
         for idx, tier in enumerate(self.secondary_tiers):
             room = self.max_write_backlog - pool.held(Hold.TIER_WRITE)
             wanted: list[tuple[bytes, bytes]] = []
+            dropped = 0
             for key in keys:
                 if not pool.contains(key):
                     continue
@@ -361,6 +379,7 @@ class TierManager:
                     continue
                 if room <= 0:
                     self.counters.writes_dropped += 1
+                    dropped += 1
                     continue
                 room -= 1
                 wanted.append((key, digest))
@@ -369,6 +388,10 @@ class TierManager:
                 self._queued[(idx, "write", store)] = [
                     (key, digest, block) for (key, digest), block in zip(wanted, blocks)
                 ]
+                if dropped:  # counted with what the tier drops of the job (flush)
+                    self._write_drops[(idx, store)] = dropped
+            else:
+                self.flows[idx].dropped(dropped)
 
     def flush(self) -> None:
         """Submit what waits: one job per tier, operation and request (or device store).
@@ -380,8 +403,13 @@ class TierManager:
         pool = self.pool
         for (idx, op, request), items in queued.items():
             job = TierJob(next(self._job_ids), op, request, items)
-            started = self.secondary_tiers[idx].submit(job)
+            tier = self.secondary_tiers[idx]
+            refused_before = tier.stats.writes_dropped
+            started = tier.submit(job)
             self.counters.jobs_submitted += 1
+            if op == "write":
+                drops = self._write_drops.pop((idx, request), 0) if self._write_drops else 0
+                self.flows[idx].dropped(drops + tier.stats.writes_dropped - refused_before)
             left = 0
             for (key, _digest, _block), ok in zip(items, started):
                 if ok:
@@ -408,20 +436,20 @@ class TierManager:
         jobs in flight or not: a poll also takes in what the tier found on its own (a
         start-up scan, files other engines wrote, probe answers)."""
         pool = self.pool
-        for tier in self.secondary_tiers:
+        for idx, tier in enumerate(self.secondary_tiers):
             results = tier.results()
             written: dict[bytes, int] = {}  # write holds to end, ended together below
             try:
-                self._apply(results, written)
+                self._apply(results, written, self.flows[idx])
             finally:
                 if written:
                     pool.release(
                         [key for key, n in written.items() for _ in range(n)], Hold.TIER_WRITE
                     )
 
-    def _apply(self, results: list[TierResult], written: dict[bytes, int]) -> None:
+    def _apply(self, results: list[TierResult], written: dict[bytes, int], flow: TierFlow) -> None:
         """Apply one tier's ``results`` (see :meth:`poll`); the write holds to end are
-        counted into ``written``."""
+        counted into ``written``, completed writes into the tier's ``flow``."""
         pool = self.pool
         jobs = self._jobs
         for res in results:
@@ -465,6 +493,8 @@ class TierManager:
                     written[res.key] = ended + 1
                 if not res.ok:
                     self.counters.write_failures += 1
+                else:
+                    flow.write_completed(res.seconds, res.nbytes)
 
     def end_step(self) -> None:
         """Once per scheduler step: apply completions, forget the lookup pass, release
@@ -551,6 +581,8 @@ class TierManager:
         self._load_sources.clear()
         self._refused.clear()
         self._jobs.clear()
+        self._asking.clear()
+        self._write_drops.clear()
 
     def shutdown(self) -> bool:
         """Stop the fs tiers; False if one still has an I/O call running (its host

@@ -38,6 +38,13 @@ ACTIVE_CASCADE_JOBS = "vllm:kv_offload_tiering_active_cascade_jobs"
 PRIMARY_WRITE_USAGE_PERC = "vllm:kv_offload_tiering_primary_write_usage_perc"
 PRIMARY_READ_USAGE_PERC = "vllm:kv_offload_tiering_primary_read_usage_perc"
 STORES_DROPPED = "vllm:kv_offload_tiering_backpressure_stores_dropped"
+BLOCKS_DROPPED = "vllm:kv_offload_tiering_backpressure_blocks_dropped"
+STORE_LATENCY_EMA = "vllm:kv_offload_tiering_backpressure_store_latency_ema"
+LOOKUP_SYNC_DELAY = "vllm:kv_offload_tiering_lookup_sync_delay_seconds"
+LOOKUP_ASYNC_DELAY = "vllm:kv_offload_tiering_lookup_async_delay_seconds"
+# vLLM's buckets for the two lookup-delay histograms (seconds).
+SYNC_DELAY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
+ASYNC_DELAY_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
 TIER_FAULTS = "vllm:kvtier_tier_faults"
 TIER_USED_BYTES = "vllm:kvtier_tier_used_bytes"
 TIER_EVICTIONS = "vllm:kvtier_tier_evictions"
@@ -218,6 +225,34 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
                 tier,
                 None,
             ),
+            BLOCKS_DROPPED: MetricRow(
+                "counter",
+                "Number of blocks dropped due to back-pressure on a secondary tier.",
+                tier,
+                None,
+            ),
+            STORE_LATENCY_EMA: MetricRow(
+                "gauge",
+                "Exponential moving average of store latency for back-pressure detection, "
+                "in s/MiB.",
+                tier,
+                None,
+            ),
+            LOOKUP_SYNC_DELAY: MetricRow(
+                "histogram",
+                "Histogram of blocking time spent in a per-chunk tier lookup that resolved as "
+                "a hit or miss, labeled by tier, in seconds.",
+                tier,
+                SYNC_DELAY_BUCKETS,
+            ),
+            LOOKUP_ASYNC_DELAY: MetricRow(
+                "histogram",
+                "Histogram of wall-clock time from a per-chunk tier lookup first returning "
+                "retry until that same tier lookup resolves as a hit or miss, labeled by "
+                "tier, in seconds.",
+                tier,
+                ASYNC_DELAY_BUCKETS,
+            ),
             TIER_FAULTS: MetricRow(
                 "counter",
                 "Blocks of a secondary tier that failed to read or write (kind: corrupt, "
@@ -321,7 +356,7 @@ class MetricsEmitter:
         yield them (a zero counter adds nothing to vLLM's stats). Otherwise None, and
         :meth:`collect_changed` yields what changed."""
         signature = self._signature()
-        if signature != self._signed or self.core.counters.allocation_sizes:
+        if signature != self._signed or self._samples_waiting():
             self._pending = signature
             return None
         gauges = self._gauges
@@ -341,7 +376,11 @@ class MetricsEmitter:
         if signature is None:
             signature = self._signature()
         signed = self._signed
-        if signed is None or signature[_HOST_FIELDS:] != signed[_HOST_FIELDS:]:
+        if (
+            signed is None
+            or signature[_HOST_FIELDS:] != signed[_HOST_FIELDS:]
+            or any(flow.has_delays for flow in self.core.flows)
+        ):
             write_rows(self._changed(signature), sink)
             return
         self._signed = signature
@@ -357,6 +396,11 @@ class MetricsEmitter:
             if step:
                 last[key] = total
                 sink.increase_counter(name, step, labels)
+
+    def _samples_waiting(self) -> bool:
+        """Whether histogram samples wait to be emitted (taken as they are)."""
+        core = self.core
+        return bool(core.counters.allocation_sizes) or any(f.has_delays for f in core.flows)
 
     def _host_gauges(self) -> tuple[tuple[str, float], ...]:
         """The host tier's usage gauges (name, value), as vLLM's manager computes them."""
@@ -431,9 +475,11 @@ class MetricsEmitter:
         if not self.tiering:
             return signature
         signature += (core.promoting_blocks, core.write_pinned_blocks)
-        for tier in core.secondary_tiers:
+        for tier, flow in zip(core.secondary_tiers, core.flows):
             s = tier.stats
             signature += (
+                flow.stores_dropped,
+                flow.store_latency_ema,
                 s.queries,
                 s.hits,
                 s.read_bytes,
@@ -457,10 +503,9 @@ class MetricsEmitter:
             yield "counter", name, self._delta(name, labels, total), labels
         if not self.tiering:
             return
-        c = core.counters
         cap = core.pool.num_blocks or 1
         faults_seen = self._faults_seen
-        for tier in core.secondary_tiers:
+        for tier, flow in zip(core.secondary_tiers, core.flows):
             lab = (tier.name,)
             s = tier.stats
             # Fault counts only grow: with the same total, no kind moved (rows skipped).
@@ -490,12 +535,25 @@ class MetricsEmitter:
                     self._delta(CASCADE_JOB_FAILURES, lab, write_faults),
                     lab,
                 )
+            if flow.has_delays:
+                sync, waited = flow.take_delays()
+                for delay in sync:
+                    yield "histogram", LOOKUP_SYNC_DELAY, delay, lab
+                for delay in waited:
+                    yield "histogram", LOOKUP_ASYNC_DELAY, delay, lab
             yield (
                 "counter",
                 STORES_DROPPED,
-                self._delta(STORES_DROPPED, lab, s.writes_dropped + c.writes_dropped),
+                self._delta(STORES_DROPPED, lab, flow.stores_dropped),
                 lab,
             )
+            yield (
+                "counter",
+                BLOCKS_DROPPED,
+                self._delta(BLOCKS_DROPPED, lab, flow.blocks_dropped),
+                lab,
+            )
+            yield "gauge", STORE_LATENCY_EMA, flow.store_latency_ema, lab
             evicted = self._delta(TIER_EVICTIONS, lab, s.evictions)
             yield "counter", TIER_EVICTIONS, evicted, lab
             yield "counter", FS_EVICTIONS, evicted, lab
