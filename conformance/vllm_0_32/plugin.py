@@ -133,8 +133,9 @@ def _redirect_models(workdir: Path) -> None:
     from kvtier.testkit.model import make_tiny_llama
 
     root = Path(os.environ.get("KVTIER_TINY_MODEL_DIR") or workdir / "models")
-    # 4 KV heads (a tensor-parallel shard must cover them exactly in test_config.py).
-    model = make_tiny_llama(root, heads=4, head_dim=64, hidden=256)
+    # 4 KV heads (a tensor-parallel shard must cover them exactly in test_config.py);
+    # facebook/opt-125m's 2,048 positions (the scheduler tests' long prompts need them).
+    model = make_tiny_llama(root, heads=4, head_dim=64, hidden=256, positions=2048)
     redirect = workdir / "model-redirect.json"
     redirect.write_text(json.dumps({name: str(model) for name in HUB_MODELS}))
     os.environ["VLLM_MODEL_REDIRECT_PATH"] = str(redirect)

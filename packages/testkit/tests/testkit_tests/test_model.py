@@ -97,3 +97,14 @@ def test_mla_makes_a_dense_deepseek_v2_with_a_576_element_kv_row(model_root: Pat
     assert read_spec(folder).mla and folder != make_tiny_llama(model_root)
     # Models made before the mla field keep their cached folders.
     assert TinyModelSpec().folder_name() == "tiny-llama-l2-h128-49a7082e4872"
+
+
+def test_positions_sets_the_longest_sequence(model_root: Path) -> None:
+    folder = make_tiny_llama(model_root, positions=2048)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["max_position_embeddings"] == 2048
+    assert read_spec(folder).positions == 2048 and folder != make_tiny_llama(model_root)
+    # Models of the first length keep their cached folders.
+    assert TinyModelSpec(positions=1024).folder_name() == "tiny-llama-l2-h128-49a7082e4872"
+    with pytest.raises(ValueError, match="positions"):
+        make_tiny_llama(model_root, positions=8)

@@ -51,6 +51,7 @@ class TinyModelSpec:
             per-head query/key and value width beside the latent; see :func:`make_tiny_mla`).
         hybrid: a Qwen3-Next whose layers alternate linear attention (Gated DeltaNet) and
             full attention (see :func:`make_tiny_hybrid`).
+        positions: the longest sequence the model takes (``max_position_embeddings``).
     """
 
     layers: int = 2
@@ -63,6 +64,7 @@ class TinyModelSpec:
     kv_heads: int | None = None
     mla: bool = False
     hybrid: bool = False
+    positions: int = 1024
 
     @property
     def architecture(self) -> str:
@@ -80,6 +82,8 @@ class TinyModelSpec:
             del fields["mla"]  # and those made before MLA
         if not fields["hybrid"]:
             del fields["hybrid"]  # and those made before hybrid models
+        if fields["positions"] == 1024:
+            del fields["positions"]  # and those of the first length
         blob = json.dumps({"recipe": RECIPE_VERSION, **fields}, sort_keys=True)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
         sw = f"-sw{self.sliding_window}" if self.sliding_window else ""
@@ -153,7 +157,7 @@ def _build(folder: Path, spec: TinyModelSpec) -> None:
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads or spec.heads,
         head_dim=spec.head_dim,
-        max_position_embeddings=1024,
+        max_position_embeddings=spec.positions,
         bos_token_id=ids["<s>"],
         eos_token_id=ids["</s>"],
         pad_token_id=ids["<unk>"],
@@ -236,6 +240,7 @@ def make_tiny_llama(
     seed: int = 0,
     sliding_window: int | None = None,
     kv_heads: int | None = None,
+    positions: int = 1024,
 ) -> Path:
     """Make (or reuse) a tiny random-weight model and return its folder.
 
@@ -244,12 +249,17 @@ def make_tiny_llama(
     folder already made with the same parameters is reused. The model is a Llama, or a
     Mistral with ``sliding_window`` (tokens) set, with ``kv_heads`` KV heads (default
     ``heads``; it must divide ``heads``). ``vocab`` is in tokens (at least 300:
-    the byte-level alphabet plus specials); ``hidden`` and ``head_dim`` in elements.
+    the byte-level alphabet plus specials); ``hidden`` and ``head_dim`` in elements;
+    ``positions`` is the longest sequence in tokens.
     """
     _check_sizes(layers, heads, head_dim, vocab)
+    if positions < 64:
+        raise ValueError(f"positions must be at least 64 tokens, got {positions}")
     if kv_heads is not None and (kv_heads <= 0 or heads % kv_heads):
         raise ValueError(f"kv_heads must be a positive divisor of heads={heads}, got {kv_heads}")
-    spec = TinyModelSpec(layers, hidden, heads, head_dim, vocab, seed, sliding_window, kv_heads)
+    spec = TinyModelSpec(
+        layers, hidden, heads, head_dim, vocab, seed, sliding_window, kv_heads, positions=positions
+    )
     return _make(spec, path)
 
 
