@@ -48,7 +48,9 @@ and so do a deviation that starts passing and an entry that matches no test.
 Each test's setup and call are watched for a Python call into kvtier's code (see
 ``_NOT_KVTIER`` for the modules that do not count): the summary says how many of the
 passes and of the deviations ran it, and ``results.json`` in ``KVTIER_CONFORMANCE_DIR``
-holds each test's outcome.
+holds each test's outcome. Every ``OffloadingConnectorScheduler`` the tests build runs
+kvtier's replacements of vLLM's store planning and hit-source split (see
+``_plan_stores_with_kvtier``), as the one kvtier's connector builds does.
 ``KVTIER_CONFORMANCE_BASELINE=1`` runs the same tests with the same models against
 vLLM's own classes, without deviations (whose failure is it?).
 """
@@ -174,10 +176,36 @@ def _substitute() -> list[tuple[Any, str, Any]]:
         (vllm_tiering_spec, "TieringOffloadingSpec", vllm_adapter.TieringOffloadingSpec),
         (vllm_connector, "OffloadingConnector", connector.OffloadingConnector),
     ]
+    _plan_stores_with_kvtier()
     saved = [(module, name, getattr(module, name)) for module, name, _ in rebound]
     for module, name, cls in rebound:
         setattr(module, name, cls)
     return saved
+
+
+def _plan_stores_with_kvtier() -> None:
+    """Run kvtier's scheduler-side replacements of vLLM's code (kvtier-vllm-port's
+    ``store_planning``, and ``lookups``' split of a hit by tier) in every vLLM
+    ``OffloadingConnectorScheduler`` the tests build, as kvtier's connector runs them in
+    the one it builds with kvtier's manager: vLLM's scheduler tests drive it with vLLM's
+    mock spec and manager, or build it alone, and their scenarios then check that
+    kvtier's code plans and answers what vLLM's does. (``lookups``' one-call prefix
+    lookup needs kvtier's manager, which vLLM's mock is not.)"""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as module
+
+    from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
+    from kvtier.vllm_port import lookups, store_planning
+
+    cls = module.OffloadingConnectorScheduler
+    init = cls.__init__
+
+    def with_kvtier_planning(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if not isinstance(getattr(self, "manager", None), KvtierOffloadingManager):
+            store_planning.speed_up(self)  # (kvtier's connector does it for its manager)
+            lookups.single_source_hits(self)
+
+    cls.__init__ = with_kvtier_planning
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -262,7 +290,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # names; the port and vllm_compat read vLLM's facts and shapes.
 _NOT_KVTIER = (
     "kvtier.testkit",
-    "kvtier.vllm_port",
+    "kvtier.vllm_port.port",
+    "kvtier.vllm_port.facts",
+    "kvtier.vllm_port.plugins",
+    "kvtier.vllm_port.schema",
     "kvtier.tiering_spec.connector",
     "kvtier.tiering_spec.plugin",
     "kvtier.tiering_spec.vllm_compat",
