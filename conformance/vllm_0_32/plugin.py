@@ -30,10 +30,12 @@ The files that run, and why (each builds kvtier's manager, spec, policy or conne
   (kvtier's ``OffloadingConnector``) in vLLM's scheduler, its configuration, its KV
   events and its metrics;
 * ``tests/v1/kv_connector/unit/test_offloading_connector.py``: engine tests through
-  ``LLM`` (those vLLM runs on CPU).
+  ``LLM`` (those vLLM runs on CPU);
+* of ``tests/v1/kv_offload/tiering/test_tiering_offloading.py``, the one test that
+  builds a spec (``TieringOffloadingSpec``'s metric definitions).
 
-Left out, because they test vLLM's internals and never build a kvtier class: the
-tiering suite (``kv_offload/tiering/``: vLLM's tiers, p2p, backpressure), the shared
+Left out, because they test vLLM's internals and never build a kvtier class: the rest
+of the tiering suite (``kv_offload/tiering/``: vLLM's tiers, p2p, backpressure), the shared
 offload region, the file mapper, the canonical layout and the swap kernels
 (``test_canonical_layout.py``, ``test_swap_blocks_*.py``, ``test_gpu_worker.py``,
 ``test_canonical_mapping.py``), and the connector's worker tests

@@ -242,6 +242,58 @@ def test_declared_metrics_cover_the_excerpts_names(tmp_path: Path) -> None:
         assert tier["vllm:kvtier_fs_faults"].labelnames == ("tier", "kind")
 
 
+def test_tiering_metrics_are_declared_with_vllms_kinds_and_tier_label() -> None:
+    """Mirrors vLLM 0.32's ``test_tiering_offloading.py::
+    test_tiering_spec_collects_secondary_metric_definitions`` past its first check (a
+    metric of a tier type registered with vLLM, which kvtier does not run): vLLM's
+    tiering metrics, declared with vLLM's kinds, ``tier`` label and buckets."""
+    from kvtier.tiering_spec import TieringOffloadingSpec, metrics, vllm_compat
+
+    table = TieringOffloadingSpec.kvtier_metric_table({"secondary_tiers": [{"type": "fs"}]})
+    kinds = {
+        metrics.CHUNK_QUERIES: "counter",
+        metrics.PROMOTION_JOB_FAILURES: "counter",
+        metrics.STORES_DROPPED: "counter",
+        metrics.BLOCKS_DROPPED: "counter",
+        metrics.STORE_LATENCY_EMA: "gauge",
+        metrics.LOOKUP_SYNC_DELAY: "histogram",
+        metrics.LOOKUP_ASYNC_DELAY: "histogram",
+        metrics.PRIMARY_WRITE_USAGE_PERC: "gauge",
+        metrics.PRIMARY_READ_USAGE_PERC: "gauge",
+        metrics.ACTIVE_PROMOTION_JOBS: "gauge",
+        metrics.ACTIVE_CASCADE_JOBS: "gauge",
+        metrics.PROMOTION_ALLOCATION_FAILURES: "counter",
+    }
+    for name, kind in kinds.items():
+        assert table[name].kind == kind, name
+        labels = () if name == metrics.PROMOTION_ALLOCATION_FAILURES else ("tier",)
+        assert table[name].labels == labels, name
+    if not vllm_compat.SPEC_METRICS:
+        return
+    from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics as Names
+
+    declared = TieringOffloadingSpec.build_metric_definitions({"secondary_tiers": []})
+    for name in (
+        Names.LOOKUP_SYNC_DELAY,
+        Names.LOOKUP_ASYNC_DELAY,
+        Names.BACKPRESSURE_STORE_LATENCY_EMA,
+        Names.BACKPRESSURE_STORES_DROPPED,
+        Names.BACKPRESSURE_BLOCKS_DROPPED,
+        Names.CHUNK_QUERIES,
+        Names.PROMOTION_JOB_FAILURES,
+    ):
+        assert declared[name].labelnames == ("tier",), name
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec as VllmTieringSpec
+
+    vllm_tiering = VllmTieringSpec
+    theirs = vllm_tiering.build_metric_definitions({"secondary_tiers": []})
+    for name in (Names.LOOKUP_SYNC_DELAY, Names.LOOKUP_ASYNC_DELAY):
+        assert type(declared[name]) is type(theirs[name])
+        assert tuple(declared[name].buckets) == tuple(theirs[name].buckets), name
+    for name in (Names.BACKPRESSURE_STORE_LATENCY_EMA, Names.BACKPRESSURE_BLOCKS_DROPPED):
+        assert type(declared[name]) is type(theirs[name]), name
+
+
 def test_manager_through_vllms_interface(model: Path, tmp_path: Path) -> None:
     from vllm.v1.kv_offload.base import ReqContext
 
