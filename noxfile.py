@@ -12,7 +12,7 @@ as that wheel: built, checked to hold the compiled library, installed, tested.
     nox -s lint typecheck
     nox -s test-npu         # Ascend hardware only; skips elsewhere
     nox -s "e2e(vllm='0.23.0')"  # engine tests on another vLLM CPU build (CI runs 0.23.0)
-    nox -s conformance      # vLLM 0.32.0's offloading tests against kvtier's classes
+    nox -s conformance      # vLLM 0.32.0's and 0.33.0's offloading tests against kvtier's classes
     nox -s wheel            # each package's wheel alone, with its declared dependencies only
 """
 
@@ -544,7 +544,10 @@ def plugins(session: nox.Session, vllm: str) -> None:
     _pytest(session, paths, parallel=True)
 
 
-CONFORMANCE = ROOT / "conformance" / "vllm_0_32"
+CONFORMANCE = ROOT / "conformance"
+# The vLLM releases whose offloading tests run against kvtier: a suite folder each
+# (conformance/vllm_<major>_<minor>/), and the vLLM to install (None: VLLM, the CPU build).
+CONFORMANCE_RELEASES: dict[str, str | None] = {"0.32.0": None, "0.33.0": "0.33.0"}
 
 
 def fetch_sdist(session: nox.Session, url: str, sha256: str) -> Path:
@@ -598,20 +601,24 @@ def extract_members(session: nox.Session, archive: Path, names: list[str], dest:
 
 
 @nox.session
+@nox.parametrize("vllm", list(CONFORMANCE_RELEASES))
 @_disposable
-def conformance(session: nox.Session) -> None:
-    """vLLM 0.32.0's own offloading tests (from its source distribution, unedited)
-    against kvtier's manager, specs and connector, through the pytest plugin in
-    conformance/vllm_0_32/ (which says which files run and why). Expected deviations
-    are listed, with their reasons, in conformance/vllm_0_32/deviations.toml; any other
-    failure fails the session, and so does a listed deviation that passes."""
-    suite = tomllib.loads((CONFORMANCE / "suite.toml").read_text())
+def conformance(session: nox.Session, vllm: str) -> None:
+    """A vLLM release's own offloading tests (from its source distribution, unedited)
+    against kvtier's manager, specs and connector, through the pytest plugin
+    conformance/plugin.py (which says which files run and why). The release's suite
+    folder (conformance/vllm_0_32/, vllm_0_33/) names the files and lists the expected
+    deviations with their reasons and causes; any other failure fails the session, and
+    so does a listed deviation that passes."""
+    folder = CONFORMANCE / ("vllm_" + "_".join(vllm.split(".")[:2]))
+    suite = tomllib.loads((folder / "suite.toml").read_text())
     install_packages(
         session,
         ["kvtier-tiering-spec", "kvtier-testkit"],
         *TEST_DEPS,
         "tomli; python_version < '3.11'",  # the plugin reads deviations.toml
         with_vllm=True,
+        vllm_version=CONFORMANCE_RELEASES[vllm],
     )  # fmt: skip
     session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)")
     sdist = fetch_sdist(session, suite["sdist"]["url"], suite["sdist"]["sha256"])
@@ -623,7 +630,7 @@ def conformance(session: nox.Session) -> None:
     work = Path(session.create_tmp()) / "conformance"
     work.mkdir(exist_ok=True)
     _timed_tests(
-        session, "pytest", "-p", "no:cacheprovider", "-p", "conformance.vllm_0_32.plugin",
+        session, "pytest", "-p", "no:cacheprovider", "-p", "conformance.plugin",
         "-c", str(CONFORMANCE / "pytest.ini"), "--rootdir", str(tree),
         *[str(tree / f) for f in files["run"]],
         *(session.posargs or _workers()),  # pytest arguments replace the workers'
@@ -631,6 +638,7 @@ def conformance(session: nox.Session) -> None:
             **(_one_core_each() if _workers() and not session.posargs else {}),
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(tree)]),
             "KVTIER_CONFORMANCE_DIR": str(work),
+            "KVTIER_CONFORMANCE_SUITE": str(folder),
             "KVTIER_TINY_MODEL_DIR": str(work / "models"),
         },
     )  # fmt: skip
