@@ -32,6 +32,11 @@ class _ManagerSpec:
     def build_secondary_tiers(self) -> tuple[list[Any], None]:
         return [], None
 
+    def config_info_row(self) -> dict[str, Any]:
+        # No spec sized this host tier: nothing to publish, as vLLM's manager built
+        # without its spec's info.
+        return {}
+
 
 class CPUOffloadingManager(KvtierOffloadingManager):
     """kvtier's manager, built from the arguments of vLLM's ``CPUOffloadingManager``."""

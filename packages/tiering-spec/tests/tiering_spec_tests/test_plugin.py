@@ -476,3 +476,37 @@ def test_vllms_deprecated_transfer_metrics_count_kvtiers_specs(spec_name: str) -
     assert vllm_adapter.CPUOffloadingSpec.__mro__[1:] == vllm_adapter._KvtierSpec.__mro__, (
         "nothing of vLLM's class is inherited"
     )
+
+
+@pytest.mark.parametrize("spec_name", ["CPUOffloadingSpec", "TieringOffloadingSpec"])
+def test_config_info_publishes_the_host_tiers_sizing(
+    model: Path, tmp_path: Path, spec_name: str
+) -> None:
+    """vLLM 0.33's info metric (``vllm:kv_offload_config_info``): the labels the spec
+    declares are the ones the manager fills, with the host tier's chunks, bytes in every
+    copy and tokens at the model's longest length, as vLLM's CPU spec reckons them."""
+    import kvtier.tiering_spec as ts
+
+    from .vllm_configs import spec_without_engine
+
+    cls = getattr(ts, spec_name)
+    extra: dict[str, object] = {"cpu_bytes_to_use": 8 * 65536, "blocks_per_chunk": 2}
+    if spec_name == "TieringOffloadingSpec":
+        extra["secondary_tiers"] = [{"type": "fs", "root_dir": str(tmp_path / "fs")}]
+    spec = spec_without_engine(cls, model, extra, world_size=2)
+    rows = spec.get_manager().config_info()
+    keys = cls.config_info_keys(extra)
+    host = rows[0]
+    assert set(host) == set(keys)
+    assert spec.kv_bytes_per_chunk == 2 * 2 * 65536, "two blocks a chunk, two copies"
+    assert host["cpu_num_chunks"] == spec.num_chunks == 2
+    assert host["cpu_blocks_per_chunk"] == 2
+    assert host["cpu_kv_cache_size_bytes"] == 2 * spec.kv_bytes_per_chunk
+    length = int(getattr(spec.config.model, "max_model_len", 0) or 0)
+    per_request = -(-length // (32 * 2)) if length else 0
+    expected = 2 * length // per_request if per_request else "None"
+    assert host["cpu_kv_cache_size_tokens"] == expected
+    if spec_name == "TieringOffloadingSpec":
+        assert "tier" in keys and [r["tier"] for r in rows] == ["CPU", "fs"]
+    else:
+        assert "tier" not in keys and len(rows) == 1

@@ -142,6 +142,36 @@ def _stand_in_for_vllms_cpu_spec() -> None:
             vllm_cpu_spec.register(spec)
 
 
+# vLLM 0.33's labels of the host tier's sizing (CPUOffloadingInfo), and of a tier.
+CONFIG_INFO_KEYS = (
+    "cpu_num_chunks",
+    "cpu_blocks_per_chunk",
+    "cpu_kv_cache_size_bytes",
+    "cpu_kv_cache_size_tokens",
+)
+TIER_LABEL = "tier"
+
+
+def _size_in_tokens(spec: Any, num_chunks: int) -> int | str:
+    """Tokens ``num_chunks`` host chunks hold for requests of the model's longest
+    length, each KV cache group taking its chunks (a sliding-window group at most its
+    window's): vLLM's reckoning. "None" where the length or the groups are unknown."""
+    config = spec.config
+    max_len = int(getattr(getattr(config, "model", None), "max_model_len", 0) or 0)
+    groups = list(getattr(config, "groups", None) or ())
+    tokens_per_block = list(getattr(spec, "tokens_per_block", None) or ())
+    if max_len <= 0 or not groups or len(tokens_per_block) != len(groups):
+        return "None"
+    per_request = 0
+    for group, per_block in zip(groups, tokens_per_block):
+        chunks = -(-max_len // (int(per_block) * int(spec.blocks_per_chunk)))
+        window = getattr(group, "sliding_window_size_in_chunks", None)
+        if window is not None:
+            chunks = min(chunks, int(window))
+        per_request += chunks
+    return num_chunks * max_len // per_request if per_request else "None"
+
+
 class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
     """What both specs share: config validation, budget, worker.
 
@@ -164,6 +194,24 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
     @classmethod
     def kvtier_metric_table(cls, extra_config: Mapping[str, Any]) -> dict[str, m.MetricRow]:
         return m.metric_table(extra_config, tiering=cls.TIERING)
+
+    @classmethod
+    def config_info_keys(cls, extra_config: Mapping[str, Any]) -> tuple[str, ...]:
+        """The labels of vLLM's (0.33) ``vllm:kv_offload_config_info`` that the manager's
+        ``config_info`` fills: the host tier's sizing, as vLLM's CPU spec names it, and
+        with secondary tiers the tier's label."""
+        return CONFIG_INFO_KEYS + ((TIER_LABEL,) if cls.TIERING else ())
+
+    def config_info_row(self) -> dict[str, Any]:
+        """The host tier's sizing as vLLM's CPU tier publishes it: chunks, device blocks
+        per chunk, bytes (every copy, padding included) and the tokens it holds for
+        requests of ``max_model_len`` tokens ("None" where that length is not known)."""
+        return {
+            "cpu_num_chunks": self.num_chunks,
+            "cpu_blocks_per_chunk": int(self.blocks_per_chunk),
+            "cpu_kv_cache_size_bytes": self.num_chunks * self.kv_bytes_per_chunk,
+            "cpu_kv_cache_size_tokens": _size_in_tokens(self, self.num_chunks),
+        }
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
@@ -199,6 +247,8 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
             wkb if (bpc * wkb) % ALIGNMENT == 0 else round_up(max(wkb, 1), ALIGNMENT)
         )
         self.chunk_bytes = bpc * self.sub_block_bytes
+        # A chunk's bytes in every copy the host tier keeps (vLLM's name for it).
+        self.kv_bytes_per_chunk = self.chunk_bytes * self.num_copies if wkb > 0 else 0
         self.num_chunks = 0
         if wkb > 0:
             try:

@@ -94,6 +94,14 @@ class KvtierOffloadingManager(OffloadingManager):
         self._metrics = m.MetricsEmitter(self.core, tiering=spec.TIERING)
         self._hit_sources: dict[str, Any] = {}  # a tier's name -> vLLM's CacheHitSource
 
+    def config_info(self) -> list[dict[str, Any]]:
+        """vLLM 0.33's info labels: the host tier's sizing; with secondary tiers, a row
+        for each tier labelled as in the tiering metrics (``CPU``, then the tiers')."""
+        host = self.spec.config_info_row()
+        if not self.spec.TIERING:
+            return [host]
+        return [{**host, "tier": "CPU"}] + [{"tier": t.name} for t in self.core.secondary_tiers]
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
         if self.spec.no_loads_reason is not None:
             return compat.lookup_result(Lookup.MISS)
