@@ -510,3 +510,34 @@ def test_config_info_publishes_the_host_tiers_sizing(
         assert "tier" in keys and [r["tier"] for r in rows] == ["CPU", "fs"]
     else:
         assert "tier" not in keys and len(rows) == 1
+
+
+def test_a_failed_store_is_a_metadata_only_removal_where_vllm_has_them(model: Path) -> None:
+    """vLLM 0.33's manager reports a failed store as a metadata-only removal (its KV-event
+    tracker then forgets what it noted for the keys), pruned of keys a retry stored
+    again, and hands over every event of a call at once."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.tiering_spec import CPUOffloadingSpec, vllm_compat
+
+    from .vllm_configs import spec_without_engine
+
+    spec = spec_without_engine(CPUOffloadingSpec, model, {"cpu_bytes_to_use": 4 * 65536},
+                               kv_events=True)  # fmt: skip
+    mgr = spec.get_manager()
+    ctx = ReqContext(req_id="r")
+    k1, k2, k3 = (bytes([i]) * 36 for i in (1, 2, 3))
+    assert mgr.prepare_store([k1, k2], ctx) is not None
+    mgr.complete_store([k1, k2], ctx, success=False)
+    assert mgr.prepare_store([k1], ctx) is not None  # a retry owns k1 again
+    assert mgr.prepare_store([k3], ctx) is not None
+    mgr.complete_store([k3], ctx)
+    drain = iter(mgr.take_events())
+    if not vllm_compat.PORT.metadata_only_events:  # before vLLM 0.33: stores only
+        assert [e.keys for e in drain] == [[k3]]
+        return
+    cleanup = next(drain)
+    assert cleanup.removed and cleanup.metadata_only and list(cleanup.keys) == [k2]
+    assert list(mgr.take_events()) == [], "a drain stopped early leaves nothing queued"
+    assert [list(e.keys) for e in drain] == [[k3]]
+    assert not any(e.metadata_only for e in mgr.take_events())

@@ -93,6 +93,7 @@ class KvtierOffloadingManager(OffloadingManager):
         )
         self._metrics = m.MetricsEmitter(self.core, tiering=spec.TIERING)
         self._hit_sources: dict[str, Any] = {}  # a tier's name -> vLLM's CacheHitSource
+        self._failed_stores: list[list[OffloadKey]] = []  # for metadata-only removals
 
     def config_info(self) -> list[dict[str, Any]]:
         """vLLM 0.33's info labels: the host tier's sizing; with secondary tiers, a row
@@ -232,12 +233,24 @@ class KvtierOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
+        if not success:
+            self._note_failed_store(keys)
         self.core.complete_store(list(keys), success, secondary=self._secondary(req_context))
 
     def fail_store(self, keys: Collection[OffloadKey]) -> None:
         """A store a worker could not copy: its keys are dropped now, never loaded
         (vLLM's own completion of the job then finds nothing stored)."""
+        self._note_failed_store(keys)
         self.core.complete_store(list(keys), False)
+
+    def _note_failed_store(self, keys: Collection[OffloadKey]) -> None:
+        """Keep the keys of a failed store that were being stored, for a metadata-only
+        removal event (vLLM 0.33's manager sends one; see :meth:`take_events`)."""
+        pool = self.core.pool
+        if pool.enable_events and compat.PORT.metadata_only_events:
+            failed = [key for key in keys if pool.is_storing(key)]
+            if failed:
+                self._failed_stores.append(failed)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         arriving, self._arriving = self._arriving, None
@@ -254,13 +267,28 @@ class KvtierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        """The events since the last call, all taken now (as vLLM's manager does): a
+        caller that stops early leaves none of them for the next call."""
+        events: list[OffloadingEvent] = []
+        if self._failed_stores:
+            # Removals of keys never stored, so vLLM's tracker forgets what it noted for
+            # them; a key stored again since (a retry) keeps it.
+            failed, self._failed_stores = self._failed_stores, []
+            pool = self.core.pool
+            for keys in failed:
+                gone = [k for k in keys if not (pool.contains(k) or pool.is_storing(k))]
+                if gone:
+                    events.append(compat.PORT.offloading_event(gone, True, metadata_only=True))
         for event in self.core.pool.take_events():
-            yield compat.PORT.offloading_event(list(event.keys), event.kind == "removed")
+            events.append(compat.PORT.offloading_event(list(event.keys), event.kind == "removed"))
         for tier in self.core.secondary_tiers:
             for removed, keys in tier.take_events():
-                yield compat.PORT.offloading_event(
-                    list(keys), removed, tier=tier.name, locality=tier.locality
+                events.append(
+                    compat.PORT.offloading_event(
+                        list(keys), removed, tier=tier.name, locality=tier.locality
+                    )
                 )
+        return events
 
     def on_schedule_end(self, context: Any = None) -> None:
         self._pass_context = None

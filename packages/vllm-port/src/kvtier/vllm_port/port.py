@@ -142,14 +142,19 @@ class VllmPort(abc.ABC):
         *,
         tier: str | None = None,
         locality: str | None = None,
+        metadata_only: bool = False,
     ) -> Any:
         """An ``OffloadingEvent`` of the host tier (``tier`` None) or of a secondary tier.
 
         The medium is a ``Medium`` from vLLM 0.27 on and a string before; ``locality`` and
-        ``ownership`` are passed where the event has them (0.26 and 0.29 on).
+        ``ownership`` are passed where the event has them (0.26 and 0.29 on), and
+        ``metadata_only`` (a removal of keys never stored: vLLM's tracker forgets what it
+        noted for them) where it has that (0.33 on; see :meth:`metadata_only_events`).
         """
         base = _offload_base()
         fields: dict[str, Any] = {"keys": keys, "removed": removed}
+        if metadata_only:
+            fields["metadata_only"] = True
         medium = getattr(base, "Medium", None)
         if medium is not None:
             fields["medium"] = medium.CPU if tier is None else medium.STORAGE
@@ -162,6 +167,13 @@ class VllmPort(abc.ABC):
             if "ownership" in names:
                 fields["ownership"] = tier
         return base.OffloadingEvent(**fields)
+
+    @property
+    def metadata_only_events(self) -> bool:
+        """Whether vLLM's ``OffloadingEvent`` has ``metadata_only`` (0.33 on): its
+        manager reports a failed store with one, so its KV-event tracker drops the
+        metadata it noted for the keys."""
+        return "metadata_only" in _event_fields()
 
     def cache_hit_source(self, source: str) -> Any:
         """vLLM 0.32's ``CacheHitSource`` for ``"host"`` or a secondary tier."""
