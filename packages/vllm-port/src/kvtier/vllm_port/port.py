@@ -173,7 +173,10 @@ class VllmPort(abc.ABC):
         """Whether vLLM's ``OffloadingEvent`` has ``metadata_only`` (0.33 on): its
         manager reports a failed store with one, so its KV-event tracker drops the
         metadata it noted for the keys."""
-        return "metadata_only" in _event_fields()
+        try:
+            return "metadata_only" in _event_fields()
+        except (ImportError, TypeError):  # no event dataclass to ask: none have it
+            return False
 
     def cache_hit_source(self, source: str) -> Any:
         """vLLM 0.32's ``CacheHitSource`` for ``"host"`` or a secondary tier."""
