@@ -46,6 +46,9 @@ LOOKUP_ASYNC_DELAY = "vllm:kv_offload_tiering_lookup_async_delay_seconds"
 SYNC_DELAY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
 ASYNC_DELAY_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
 TIER_FAULTS = "vllm:kvtier_tier_faults"
+# The tier label, and its value for the host tier (a secondary tier's is its name).
+TIER_LABEL = "tier"
+HOST_TIER = "CPU"
 TIER_USED_BYTES = "vllm:kvtier_tier_used_bytes"
 TIER_EVICTIONS = "vllm:kvtier_tier_evictions"
 # The names above before they covered every secondary tier: emitted as well, with the
@@ -133,7 +136,7 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
         )
     if not tiering:
         return t
-    tier = ("tier",)
+    tier = (TIER_LABEL,)
     t.update(
         {
             CHUNK_QUERIES: MetricRow(
@@ -259,7 +262,7 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
                 "truncated, vanished, unreadable, disk_full, write_failed, timeout, "
                 "unreachable, foreign: a file this engine did not write, unauthenticated: "
                 "no valid MAC); each was treated as a miss and never loaded.",
-                ("tier", "kind"),
+                (TIER_LABEL, "kind"),
                 None,
             ),
             TIER_USED_BYTES: MetricRow(
@@ -429,8 +432,8 @@ class MetricsEmitter:
             totals.append((STORES_SKIPPED, (), core.admission.stores_skipped))
         if self.tiering:
             totals.append((PROMOTION_ALLOCATION_FAILURES, (), c.promotion_allocation_failures))
-            totals.append((CHUNK_QUERIES, ("CPU",), c.host_queries))
-            totals.append((CHUNK_HITS, ("CPU",), c.host_hits))
+            totals.append((CHUNK_QUERIES, (HOST_TIER,), c.host_queries))
+            totals.append((CHUNK_HITS, (HOST_TIER,), c.host_hits))
         return totals
 
     def _changed(
@@ -455,8 +458,8 @@ class MetricsEmitter:
 
     def _signature(self) -> tuple[Any, ...]:
         """Every value :meth:`_rows` reads, read cheaply: equal signatures give equal
-        rows (no counter moved, no gauge changed), allocation samples aside (they are
-        taken as they are emitted)."""
+        rows (no counter moved, no gauge changed), histogram samples aside (allocation
+        sizes and lookup delays: they are taken as they are emitted)."""
         core = self.core
         c, pool, admission = core.counters, core.pool, core.admission
         signature: tuple[Any, ...] = (
@@ -470,7 +473,6 @@ class MetricsEmitter:
             None if admission is None else admission.stores_skipped,
             # ... and by the tiers' rows.
             pool.num_blocks,
-            c.writes_dropped,
         )
         if not self.tiering:
             return signature
@@ -479,6 +481,7 @@ class MetricsEmitter:
             s = tier.stats
             signature += (
                 flow.stores_dropped,
+                flow.blocks_dropped,
                 flow.store_latency_ema,
                 s.queries,
                 s.hits,
@@ -486,7 +489,6 @@ class MetricsEmitter:
                 s.read_seconds,
                 s.write_bytes,
                 s.write_seconds,
-                s.writes_dropped,
                 s.evictions,
                 tier.used_bytes,
                 tier.fault_count,

@@ -142,14 +142,13 @@ def _stand_in_for_vllms_cpu_spec() -> None:
             vllm_cpu_spec.register(spec)
 
 
-# vLLM 0.33's labels of the host tier's sizing (CPUOffloadingInfo), and of a tier.
+# vLLM 0.33's labels of the host tier's sizing (CPUOffloadingInfo).
 CONFIG_INFO_KEYS = (
     "cpu_num_chunks",
     "cpu_blocks_per_chunk",
     "cpu_kv_cache_size_bytes",
     "cpu_kv_cache_size_tokens",
 )
-TIER_LABEL = "tier"
 
 
 def _size_in_tokens(spec: Any, num_chunks: int) -> int | str:
@@ -200,7 +199,7 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
         """The labels of vLLM's (0.33) ``vllm:kv_offload_config_info`` that the manager's
         ``config_info`` fills: the host tier's sizing, as vLLM's CPU spec names it, and
         with secondary tiers the tier's label."""
-        return CONFIG_INFO_KEYS + ((TIER_LABEL,) if cls.TIERING else ())
+        return CONFIG_INFO_KEYS + ((m.TIER_LABEL,) if cls.TIERING else ())
 
     def config_info_row(self) -> dict[str, Any]:
         """The host tier's sizing as vLLM's CPU tier publishes it: chunks, device blocks

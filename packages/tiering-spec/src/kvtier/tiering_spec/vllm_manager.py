@@ -101,7 +101,8 @@ class KvtierOffloadingManager(OffloadingManager):
         host = self.spec.config_info_row()
         if not self.spec.TIERING:
             return [host]
-        return [{**host, "tier": "CPU"}] + [{"tier": t.name} for t in self.core.secondary_tiers]
+        label = m.TIER_LABEL
+        return [{**host, label: m.HOST_TIER}] + [{label: t.name} for t in self.core.secondary_tiers]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
         if self.spec.no_loads_reason is not None:
