@@ -61,6 +61,9 @@ def test_the_tracker_is_bounded() -> None:
     assert len(store) == 10
     store.lookup([k(99)])
     assert store.admits(k(99)) and not store.admits(k(0)), "the oldest counts go first"
+    assert list(store.counts)[-1] == k(99) and store.counts[k(99)] == 2
+    with pytest.raises(TypeError):
+        store.counts[k(1)] = 5  # type: ignore[index]
 
 
 @pytest.mark.parametrize(

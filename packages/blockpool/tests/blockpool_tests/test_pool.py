@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvtier.blockpool import ALLOCATION_BUCKETS, CacheEvent, Hold, HostBlockPool
+from kvtier.blockpool.policies import make_policy
 
 
 def k(i: int) -> bytes:
@@ -292,6 +293,44 @@ def test_evict_all_keeps_pinned_keys() -> None:
     pool.prepare_load([k(1)])
     assert sorted(pool.evict_all()) == [k(0), k(2)]
     assert pool.lookup([k(1)]) == 1
+    pool.check_invariants()
+
+
+def test_evict_frees_blocks_in_policy_order_sparing_pins_and_kept_keys() -> None:
+    pool = HostBlockPool(4, eviction_policy="lru", enable_events=True)
+    stored(pool, [k(0), k(1), k(2), k(3)])
+    pool.take_events()
+    pool.prepare_load([k(0)])
+    pool.hold([k(0)], Hold.TIER_WRITE)
+    assert pool.pins(k(0)) == 2 and pool.pins(k(1)) == 0
+    assert pool.evict(3, keep=[k(1)]) is None, "only k(2) and k(3) may go"
+    assert pool.num_cached == 4 and pool.take_events() == []
+    assert pool.evict(2, keep=[k(1)]) == [k(2), k(3)]
+    assert pool.num_free == 2 and pool.lookup([k(2)]) == 0
+    assert [e.keys for e in pool.take_events()] == [(k(2), k(3))]
+    assert pool.evict(0) == []
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "frecency"])
+def test_a_store_that_cannot_evict_enough_never_walks_the_policy(name: str) -> None:
+    walks = []
+
+    class Counted(type(make_policy(name, 4))):  # type: ignore[misc]
+        __slots__ = ()
+
+        def evict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            walks.append(args)
+            return super().evict(*args, **kwargs)
+
+    pool = HostBlockPool(4, policy=Counted(4))
+    stored(pool, [k(0), k(1), k(2), k(3)])
+    pool.prepare_load([k(0), k(1), k(2)])
+    assert pool.prepare_store([k(4), k(5)]) is None, "one evictable key for two"
+    assert pool.prepare_store([k(3), k(4)]) is None, "k(3) is the request's own"
+    assert walks == []
+    plan = pool.prepare_store([k(4)])
+    assert plan is not None and plan.evicted == [k(3)] and len(walks) == 1
     pool.check_invariants()
 
 

@@ -9,7 +9,8 @@ the pool's, called on ``filter.pool``. Units: keys (one key is one block).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from types import MappingProxyType
 
 from kvtier.blockpool.budget import require_positive_int
 from kvtier.blockpool.pool import HostBlockPool, StorePlan
@@ -58,6 +59,11 @@ class StoreAdmissionFilter:
     def admits(self, key: Hashable) -> bool:
         """Whether ``key`` has been seen ``threshold`` times (among the remembered keys)."""
         return self._counts.get(key, 0) >= self.threshold
+
+    @property
+    def counts(self) -> Mapping[Hashable, int]:
+        """The remembered keys' counts, oldest first (read-only)."""
+        return MappingProxyType(self._counts)
 
     def __len__(self) -> int:
         """Keys whose counts are remembered now."""

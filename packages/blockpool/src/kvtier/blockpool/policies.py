@@ -192,8 +192,9 @@ class ARCPolicy:
         if n <= 0:
             return []
         t1, t2 = self.t1, self.t2
-        candidates1 = (key for key in t1 if evictable(key))
-        candidates2 = (key for key in t2 if evictable(key))
+        # (Walked through items(), which a caller's ordered dict may count.)
+        candidates1 = (key for key, _ in t1.items() if evictable(key))
+        candidates2 = (key for key, _ in t2.items() if evictable(key))
         from1: list[Key] = []
         from2: list[Key] = []
         victims: list[Key] = []

@@ -235,12 +235,17 @@ class HostBlockPool:
         """
         table = self._keys
         protected = {k for k in request_keys if table.get(k, -1) >= 0}
+        # Cached keys no load pins (pins are on cached keys only), less the protected:
+        # when too few, no walk of the policy can find n (a pool pinned full stays O(1)).
+        pins = self._load_pins
+        spared = sum(1 for k in protected if k not in pins) if protected else 0
+        if len(table) - self._num_storing - len(pins) - spared < n:
+            return None
         if self._frecency is not None:
             victims = self._frecency.evict(
                 n, self._is_evictable, generation=self._released, protected=protected
             )
         elif protected:
-            pins = self._load_pins
 
             def evictable(key: Hashable) -> bool:
                 return table[key] >= 0 and key not in pins and key not in protected
@@ -380,6 +385,10 @@ class HostBlockPool:
                 del held[key]
         self._hold_counts[kind] -= len(keys)
 
+    def pins(self, key: Hashable) -> int:
+        """How many loads (holds included) pin ``key`` now."""
+        return self._load_pins.get(key, 0)
+
     def holds(self, key: Hashable, kind: Hold) -> int:
         """How many holds of ``kind`` ``key`` has."""
         return self._holds[kind].get(key, 0)
@@ -400,6 +409,19 @@ class HostBlockPool:
         the keys in ``reused`` (found cached) count as a use; the policy's
         ``touch_prefix`` tells them apart, a policy without one gets ``touch``."""
         finish_request(self.policy, keys, reused)
+
+    def evict(self, n: int, keep: Collection[Hashable] = ()) -> list[Hashable] | None:
+        """Evict ``n`` unpinned cached keys now, by the policy's order, never one of
+        ``keep``, and free their blocks. Returns the keys, or ``None`` (evicting
+        nothing) when fewer than ``n`` may go."""
+        victims = self._evict(n, list(keep))
+        if victims is None:
+            return None
+        keys, blocks = victims
+        for block in blocks:
+            self._state[block] = FREE
+        self._alloc.free(blocks)
+        return keys
 
     def evict_all(self) -> list[Hashable]:
         """Evict every unpinned cached key (for a reset); returns them."""
