@@ -106,6 +106,25 @@ def test_all_ranks_map_one_host_region_whichever_starts_first(cls: type) -> None
             r.close()
 
 
+@pytest.mark.parametrize("cls", [CPUOffloadingSpec, TieringOffloadingSpec])
+def test_a_sharded_layout_gives_each_rank_a_region_of_its_own(cls: type) -> None:
+    # vLLM's test_*_create_worker_uses_worker_rank_for_sharded_layout: without a
+    # replicated layout each rank keeps its own copy, in a region of its own rank (the
+    # tiering spec's is shared memory named by the rank, which its scheduler maps too).
+    engine_id = f"unit-{uuid.uuid4().hex[:12]}"
+    rank1 = spec(cls, 1, replicated=False, engine_id=engine_id)
+    region = rank1._host_region()
+    try:
+        if cls is TieringOffloadingSpec:
+            assert region.owner and regions_of(engine_id) == [f"kvtier-tiering-{engine_id}-r1"]
+        else:
+            assert region.path is None and regions_of(engine_id) == []
+        assert region.nbytes == rank1.num_chunks * CHUNK == 4 * CHUNK
+        assert rank1.cpu_page_size_per_worker == CHUNK and rank1.kv_bytes_per_chunk == 2 * CHUNK
+    finally:
+        region.close()
+
+
 def test_a_rank_waiting_for_rank_0_gives_up_with_a_clear_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

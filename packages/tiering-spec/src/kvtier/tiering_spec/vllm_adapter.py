@@ -248,6 +248,8 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
         self.chunk_bytes = bpc * self.sub_block_bytes
         # A chunk's bytes in every copy the host tier keeps (vLLM's name for it).
         self.kv_bytes_per_chunk = self.chunk_bytes * self.num_copies if wkb > 0 else 0
+        # A chunk's bytes in one worker's copy (vLLM's name for it).
+        self.cpu_page_size_per_worker = self.chunk_bytes if wkb > 0 else 0
         self.num_chunks = 0
         if wkb > 0:
             try:

@@ -35,13 +35,14 @@ class _RequestReuse:
     later never call ``touch`` and leave recency to the manager when the request
     finishes; older releases touch keys themselves, after each store."""
 
-    __slots__ = ("finished", "keys", "reused", "stored")
+    __slots__ = ("finished", "generation", "keys", "reused", "stored")
 
-    def __init__(self) -> None:
+    def __init__(self, generation: int) -> None:
         self.keys: dict[OffloadKey, None] = {}
         self.reused: set[OffloadKey] = set()
         self.stored: set[OffloadKey] = set()
         self.finished = False
+        self.generation = generation  # the manager's resets before it began
 
     def note(self, keys: Iterable[OffloadKey], *, reused: bool) -> None:
         """Record ``keys`` as reused by the request, or as stored by it. Reading back
@@ -94,6 +95,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self._metrics = m.MetricsEmitter(self.core, tiering=spec.TIERING)
         self._hit_sources: dict[str, Any] = {}  # a tier's name -> vLLM's CacheHitSource
         self._failed_stores: list[list[OffloadKey]] = []  # for metadata-only removals
+        self._resets = 0  # reset_cache calls: what a request noted before one is stale
 
     def config_info(self) -> list[dict[str, Any]]:
         """vLLM 0.33's info labels: the host tier's sizing; with secondary tiers, a row
@@ -177,15 +179,16 @@ class KvtierOffloadingManager(OffloadingManager):
             state.note(keys, reused=True)
         return CPULoadStoreSpec(blocks)
 
-    @staticmethod
-    def _request_reuse(req_context: ReqContext) -> _RequestReuse | None:
+    def _request_reuse(self, req_context: ReqContext) -> _RequestReuse | None:
         """The request's record for :meth:`on_request_finished`; None before vLLM 0.32
-        (no request state: the connector calls touch itself) or once it finished."""
+        (no request state: the connector calls touch itself) or once it finished. A
+        record begun before :meth:`reset_cache` is dropped: the keys it says the request
+        stored are gone, and reading them again once stored anew is a reuse."""
         if not compat.PORT.keeps_request_state(req_context):
             return None
         state = compat.PORT.request_state(req_context, _RequestReuse)
-        if state is None:
-            state = _RequestReuse()
+        if state is None or (state.generation != self._resets and not state.finished):
+            state = _RequestReuse(self._resets)
             compat.PORT.set_request_state(req_context, state)
         return None if state.finished else state
 
@@ -198,6 +201,8 @@ class KvtierOffloadingManager(OffloadingManager):
         if state is None or state.finished:
             return
         state.finished = True
+        if state.generation != self._resets:
+            return  # all it noted was before a reset_cache
         keys = list(state.keys)
         ends = compat.PORT.key_positions(req_context, keys)
         if ends is not None and None not in ends:  # each key's place in the prompt
@@ -299,6 +304,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return self.core.has_pending_work()
 
     def reset_cache(self) -> None:
+        self._resets += 1
         self.core.reset(self.spec.new_pool())
 
     def collect_metrics(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
