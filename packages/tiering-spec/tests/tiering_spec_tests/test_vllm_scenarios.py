@@ -208,3 +208,16 @@ def test_reset_discards_what_a_request_noted_before_it(model: Path) -> None:
     assert list(arc.t2) == [k] and not arc.t1
     mgr.shutdown()
 
+
+def test_lookup_answers_are_lookups_taken_lazily(model: Path) -> None:
+    # What kvtier-vllm-port's sliding-window scan asks of kvtier's manager.
+    mgr = manager(model, 4, events=False)
+    assert mgr.prepare_store(keys([1, 2, 3]), CTX) is not None
+    mgr.complete_store(keys([1, 2]), CTX)
+    wanted = keys([3, 2, 9, 1])
+    assert list(mgr.lookup_answers(iter(wanted), CTX)) == [mgr.lookup(k, CTX) for k in wanted]
+    assert list(mgr.lookup_answers(iter(wanted), CTX)) == [HIT_PENDING, HIT, MISS, HIT]
+    asked: list[Any] = []
+    answers = mgr.lookup_answers((asked.append(k) or k for k in wanted), CTX)
+    assert next(answers) is HIT_PENDING and asked == wanted[:1], "not lazy"
+    mgr.shutdown()

@@ -181,3 +181,59 @@ def test_hit_sources_are_what_vllm_sweeps() -> None:
         assert all(isinstance(k, CacheHitSource) for k in got)
         fast += not sweeps and n > 0
     assert fast > 100, "the one-tier answer must be taken for most one-tier hits"
+
+
+class _Asked(_Manager):
+    """Answers from a map, noting each key asked (in order)."""
+
+    def __init__(self, answers: dict[Any, Any]) -> None:
+        super().__init__(answers, {})
+        self.asked: list[Any] = []
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        self.asked.append(key)
+        return super().lookup(key, req_context)
+
+
+class _AnswersAll(_Asked):
+    """A manager with ``lookup_answers``, as kvtier's has: one generator for a scan."""
+
+    def lookup_answers(self, keys: Any, req_context: Any) -> Any:
+        for key in keys:
+            yield self.lookup(key, req_context)
+
+
+@pytest.mark.parametrize("manager_cls", [_Asked, _AnswersAll], ids=["lookup", "answers"])
+def test_window_scans_answer_and_ask_what_vllm_does(manager_cls: type) -> None:
+    rng = random.Random(11)
+    kinds = (LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY, LookupResult.MISS)
+    for trial in range(600):
+        keys = [f"k{trial}-{i}" for i in range(rng.randint(0, 14))]
+        weights = rng.choice([(10, 0, 0, 1), (6, 2, 1, 1), (1, 1, 1, 1), (3, 0, 1, 0)])
+        table = {k: rng.choices(kinds, weights)[0] for k in keys}
+        window = rng.randint(1, 4)
+        first = rng.choice([None, window + rng.randint(0, 2)])
+        theirs = _scheduler(_Asked(table))
+        ours = _scheduler(manager_cls(table))
+        assert lookups.sliding_window_scans(ours)
+        want = Scheduler._sliding_window_lookup(theirs, keys, window, "ctx", first)
+        got = ours._sliding_window_lookup(keys, window, "ctx", first)
+        assert got == want, (table, keys, window, first)
+        assert ours.manager.asked == theirs.manager.asked, "asked other keys than vLLM"
+
+
+def test_window_scans_keep_vllms_method_where_it_answers_otherwise() -> None:
+    class Other(Scheduler):  # type: ignore[misc,valid-type]
+        def _sliding_window_lookup(  # type: ignore[override]
+            self,
+            keys: Any,
+            sliding_window_size: int,
+            req_context: Any,
+            initial_window_size: int | None = None,
+        ) -> int | None:
+            return 0  # never a hit
+
+    assert lookups.window_scan(Other) is None
+    scheduler = _scheduler(_Manager({}, {}), cls=Other)
+    assert not lookups.sliding_window_scans(scheduler)
+    assert "_sliding_window_lookup" not in vars(scheduler)

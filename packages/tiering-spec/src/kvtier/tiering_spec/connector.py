@@ -110,6 +110,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             # vLLM looks an arriving request's prefix up, and its hit's tiers, key by
             # key; kvtier's manager answers a prefix in one call.
             lookups.speed_up(scheduler)
+            lookups.sliding_window_scans(scheduler)  # (hybrid models' window groups)
             # Hits within the step's budget load before its forward pass (vLLM 0.33
             # does it itself; this is the same for 0.32).
             spec = manager.spec

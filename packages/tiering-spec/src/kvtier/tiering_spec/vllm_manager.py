@@ -113,6 +113,15 @@ class KvtierOffloadingManager(OffloadingManager):
             self.core.lookup(key, req_context.req_id, secondary=self._pass_tiers(req_context))
         )
 
+    def lookup_answers(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> Iterator[Any]:
+        """:meth:`lookup` of each of ``keys``, lazily: one generator for a scan that stops
+        where it has its answer (kvtier-vllm-port's sliding-window scan)."""
+        miss = self.spec.no_loads_reason is not None
+        secondary = miss or self._pass_tiers(req_context)
+        lookup, convert, req_id = self.core.lookup, compat.lookup_result, req_context.req_id
+        for key in keys:
+            yield convert(Lookup.MISS if miss else lookup(key, req_id, secondary=secondary))
+
     def _pass_tiers(self, req_context: ReqContext) -> bool:
         """Whether the request being looked up may use the secondary tiers, read once a
         pass (vLLM looks a request's keys up one by one)."""

@@ -21,13 +21,22 @@ calls per key on the scheduler's thread, for every request it admits.
   other hit goes through vLLM's own method.
 
 Where vLLM's scheduler lacks what these read, nothing changes.
+
+:func:`sliding_window_scans` puts kvtier's own scan of a sliding-window group's keys in
+place of vLLM's ``_sliding_window_lookup`` (the last run of a window's worth of hits,
+found from the end): it asks the manager's ``lookup_answers`` (one generator for a
+scan) where the manager has it, else ``lookup`` key by key, and stops where vLLM's
+stops, so the manager is asked about the same keys. It is installed only where the
+scheduler's own method gives the same answer on every short answer pattern
+(:func:`_same_window_answers`, asked once per scheduler class).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvtier.vllm_port.store_planning import _fields
@@ -163,4 +172,128 @@ def single_source_hits(scheduler: Any) -> bool:
     return True
 
 
-__all__ = ["batch_prefix_lookups", "single_source_hits", "speed_up"]
+_WINDOW_PARAMS = ["self", "keys", "sliding_window_size", "req_context", "initial_window_size"]
+
+
+def window_end(
+    answers: Iterator[Any],
+    num_keys: int,
+    window: int,
+    first_window: int | None,
+    hit: Any,
+    pending: Any,
+    retry: Any,
+) -> int | None:
+    """Where the last run of ``window`` hits ends, from the lookups of ``num_keys`` keys
+    taken last key first (``answers``, read only as far as needed).
+
+    A pending hit counts as a hit; the run nearest the end may need ``first_window``
+    hits instead (a partial last chunk) until a miss or retry breaks it. Returns the
+    index just past the run, or, with no full run, the length of the run that reaches
+    the first key (0 after a miss); None where a retry was seen, or the run it returns
+    has a pending hit (the caller looks again later)."""
+    need = first_window or window
+    run = 0
+    in_run_pending = False
+    retried = False
+    index = num_keys
+    for answer in answers:
+        index -= 1
+        if answer is hit or answer is pending:
+            run += 1
+            in_run_pending = in_run_pending or answer is pending
+        else:  # a miss or a retry ends the run, and the partial window's claim
+            retried = retried or answer is retry
+            run, in_run_pending, need = 0, False, window
+        if run == need:
+            return None if retried or in_run_pending else index + need
+    return None if retried or in_run_pending else run
+
+
+_WINDOW_VERDICTS: dict[type, bool] = {}
+
+
+def _same_window_answers(cls: type, answer_type: Any) -> bool:
+    """Whether ``cls``'s ``_sliding_window_lookup`` answers as :func:`window_end` on every
+    pattern of up to four answers, for windows of 1 and 2 with and without a larger
+    first window (asked once per class)."""
+    verdict = _WINDOW_VERDICTS.get(cls)
+    if verdict is not None:
+        return verdict
+    kinds = (answer_type.HIT, answer_type.HIT_PENDING, answer_type.RETRY, answer_type.MISS)
+    patterns = [p for n in range(5) for p in itertools.product(kinds, repeat=n)]
+    probe = _Probe(None)
+    scheduler: Any = object.__new__(cls)
+    scheduler.manager = probe
+    verdict = True
+    try:
+        for pattern in patterns:
+            keys = list(range(len(pattern)))
+            probe.lookup = lambda key, ctx, p=pattern: p[key]  # type: ignore[method-assign]
+            for window, first in ((1, None), (1, 2), (2, None), (2, 3)):
+                theirs = cls._sliding_window_lookup(scheduler, keys, window, None, first)  # type: ignore[attr-defined]
+                ours = window_end(reversed(pattern), len(pattern), window, first, *kinds[:3])
+                if theirs != ours:
+                    verdict = False
+                    break
+            if not verdict:
+                break
+    except Exception:
+        verdict = False
+    _WINDOW_VERDICTS[cls] = verdict
+    return verdict
+
+
+def window_scan(cls: type) -> Callable[..., int | None] | None:
+    """kvtier's scan as a method for ``cls`` (see the module), or None where ``cls``'s
+    own ``_sliding_window_lookup`` has another shape or answers otherwise."""
+    answers = getattr(sys.modules.get(cls.__module__), "LookupResult", None)
+    if (
+        answers is None
+        or _params(cls, "_sliding_window_lookup") != _WINDOW_PARAMS
+        or not _same_window_answers(cls, answers)
+    ):
+        return None
+    hit, pending, retry = answers.HIT, answers.HIT_PENDING, answers.RETRY
+
+    def _sliding_window_lookup(
+        self: Any,
+        keys: Any,
+        sliding_window_size: int,
+        req_context: Any,
+        initial_window_size: int | None = None,
+    ) -> int | None:
+        n = len(keys)
+        backwards = (keys[i] for i in range(n - 1, -1, -1))
+        manager = self.manager
+        # (Asked of the class: a test's mock manager has every attribute.)
+        batch = getattr(type(manager), "lookup_answers", None)
+        if batch is not None:
+            found = batch(manager, backwards, req_context)
+        else:
+            lookup = manager.lookup
+            found = (lookup(key, req_context) for key in backwards)
+        return window_end(found, n, sliding_window_size, initial_window_size, hit, pending, retry)
+
+    _sliding_window_lookup.__qualname__ = f"{cls.__qualname__}._sliding_window_lookup"
+    return _sliding_window_lookup
+
+
+def sliding_window_scans(scheduler: Any) -> bool:
+    """kvtier's scan in place of ``scheduler``'s ``_sliding_window_lookup`` (see the
+    module); whether it was put there."""
+    scan = window_scan(type(scheduler))
+    if scan is None:
+        return False
+    scheduler._sliding_window_lookup = scan.__get__(scheduler)
+    return True
+
+
+__all__ = [
+    "batch_prefix_lookups",
+    "single_source_hits",
+    "sliding_window_scans",
+    "speed_up",
+    "window_end",
+    "window_scan",
+]
