@@ -121,6 +121,8 @@ def _load_deviations() -> list[tuple[str, str, dict[str, Any], str | None]]:
         options: dict[str, Any] = {"run": bool(group.get("run", True))}
         if "raises" in group:
             options["raises"] = _exception(group["raises"])
+        for mirror in group.get("mirror", []):
+            _check_mirror(mirror)
         for test in group["tests"]:
             match = group.get("match")
             if isinstance(test, dict):
@@ -135,6 +137,22 @@ def _load_deviations() -> list[tuple[str, str, dict[str, Any], str | None]]:
                 re.compile(match)
             entries.append((test, reason, options, match))
     return entries
+
+
+def _check_mirror(mirror: str) -> None:
+    """A deviation's ``mirror``: a test that checks its scenario's outcomes against
+    kvtier, either kvtier's (``packages/...::name``, which must exist, and which kvtier's
+    own sessions run) or one of this suite's (``tests/...``, which must pass here)."""
+    path, _, name = mirror.partition("::")
+    if path.startswith("tests/"):
+        _MIRRORS.add(mirror)
+        return
+    source = HERE.parent / path
+    if not (name and source.is_file() and f"def {name}(" in source.read_text()):
+        raise pytest.UsageError(f"{DEVIATIONS.name}: mirror {mirror!r} names no test")
+
+
+_MIRRORS: set[str] = set()  # this suite's tests that deviations name as their mirrors
 
 
 def _redirect_models(workdir: Path) -> None:
@@ -192,7 +210,8 @@ def _substitute() -> list[tuple[Any, str, Any]]:
 
 def _plan_stores_with_kvtier() -> None:
     """Run kvtier's scheduler-side replacements of vLLM's code (kvtier-vllm-port's
-    ``store_planning``, and ``lookups``' split of a hit by tier) in every vLLM
+    ``store_planning``, and ``lookups``' split of a hit by tier and sliding-window scan)
+    in every vLLM
     ``OffloadingConnectorScheduler`` the tests build, as kvtier's connector runs them in
     the one it builds with kvtier's manager: vLLM's scheduler tests drive it with vLLM's
     mock spec and manager, or build it alone, and their scenarios then check that
@@ -213,6 +232,12 @@ def _plan_stores_with_kvtier() -> None:
             lookups.single_source_hits(self)
 
     cls.__init__ = with_kvtier_planning
+    # The sliding-window scan is a method of every scheduler (vLLM's tests call it on
+    # schedulers they build without __init__), as kvtier's connector installs it on its.
+    scan = lookups.window_scan(cls)
+    if scan is None:
+        raise pytest.UsageError(f"kvtier's sliding-window scan does not fit {cls}")
+    cls._sliding_window_lookup = scan
 
 
 def _platform_as_vllms_ci() -> None:
@@ -296,8 +321,13 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     _STALE.update(getattr(node, "workeroutput", {}).get("kvtier_stale", ()))
 
 
+def _unmirrored() -> list[str]:
+    """Mirrors of this suite that ran and did not pass (none run: a selection)."""
+    return sorted(m for m in _MIRRORS if _RESULTS.get(m, {}).get("outcome", "passed") != "passed")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _STALE and exitstatus == pytest.ExitCode.OK:
+    if (_STALE or _unmirrored()) and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -484,6 +514,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     write("expected deviations, by reason:")
     for kind, count in sorted(_BY_REASON.items()):
         write(f"  {count:4d}  {kind.rstrip(': ')}")
+    for mirror in _unmirrored():
+        write(f"a deviation's mirror did not pass (see {DEVIATIONS.name}): {mirror}")
     for pattern in sorted(_STALE):
         write(f"stale entry of {DEVIATIONS.name} (it matches no test; remove it): {pattern}")
     workdir = os.environ.get("KVTIER_CONFORMANCE_DIR")
