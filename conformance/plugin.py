@@ -13,7 +13,9 @@ it in ``KVTIER_CONFORMANCE_SUITE``). Before any test module is imported
   with kvtier's classes;
 * by rebinding the names the tests import: ``CPUOffloadingManager`` (a thin class
   that builds :class:`~kvtier.tiering_spec.vllm_manager.KvtierOffloadingManager` from
-  the manager's arguments), ``CPUOffloadingSpec``, ``TieringOffloadingSpec`` and
+  the manager's arguments, and shows kvtier's pool and policy state under the names of
+  vLLM's manager and policies that the tests read), ``CPUOffloadingSpec``,
+  ``TieringOffloadingSpec`` and
   ``OffloadingConnector`` (kvtier's);
 * the model names the tests give (``facebook/opt-125m`` for every scheduler test's
   config, ``meta-llama/Llama-3.2-1B-Instruct`` for the engine tests) are redirected
@@ -53,8 +55,10 @@ Each test's setup and call are watched for a Python call into kvtier's code (see
 ``_NOT_KVTIER`` for the modules that do not count): the summary says how many of the
 passes and of the deviations ran it, and ``results.json`` in ``KVTIER_CONFORMANCE_DIR``
 holds each test's outcome. Every ``OffloadingConnectorScheduler`` the tests build runs
-kvtier's replacements of vLLM's store planning and hit-source split (see
-``_plan_stores_with_kvtier``), as the one kvtier's connector builds does.
+kvtier's replacements of vLLM's store planning, hit-source split and sliding-window scan
+(see ``_plan_stores_with_kvtier``), as the one kvtier's connector builds does. A
+deviation may name a ``mirror``: the test that checks its scenario against kvtier
+(kvtier's own, which must exist, or one of the suite, which must pass).
 ``KVTIER_CONFORMANCE_BASELINE=1`` runs the same tests with the same models against
 vLLM's own classes, without deviations (whose failure is it?).
 """
