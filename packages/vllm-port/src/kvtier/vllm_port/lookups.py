@@ -210,6 +210,15 @@ def window_end(
     return None if retried or in_run_pending else run
 
 
+class _Pattern:
+    """A manager whose answer for key ``i`` is ``answers[i]``."""
+
+    answers: tuple[Any, ...] = ()
+
+    def lookup(self, key: int, req_context: Any) -> Any:
+        return self.answers[key]
+
+
 _WINDOW_VERDICTS: dict[type, bool] = {}
 
 
@@ -222,14 +231,14 @@ def _same_window_answers(cls: type, answer_type: Any) -> bool:
         return verdict
     kinds = (answer_type.HIT, answer_type.HIT_PENDING, answer_type.RETRY, answer_type.MISS)
     patterns = [p for n in range(5) for p in itertools.product(kinds, repeat=n)]
-    probe = _Probe(None)
+    probe = _Pattern()
     scheduler: Any = object.__new__(cls)
     scheduler.manager = probe
     verdict = True
     try:
         for pattern in patterns:
             keys = list(range(len(pattern)))
-            probe.lookup = lambda key, ctx, p=pattern: p[key]  # type: ignore[method-assign]
+            probe.answers = pattern
             for window, first in ((1, None), (1, 2), (2, None), (2, 3)):
                 theirs = cls._sliding_window_lookup(scheduler, keys, window, None, first)  # type: ignore[attr-defined]
                 ours = window_end(reversed(pattern), len(pattern), window, first, *kinds[:3])
