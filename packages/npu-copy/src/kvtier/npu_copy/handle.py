@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from kvtier.npu_copy.backend import Backend
+
+class Completion(Protocol):
+    """What a handle asks of the backend running its transfer (every backend of
+    :mod:`kvtier.npu_copy.backend` answers it)."""
+
+    def poll(self, handle: TransferHandle) -> bool: ...
+
+    def block(self, handle: TransferHandle) -> None: ...
+
+    def stream_wait(self, handle: TransferHandle, stream: Any) -> None: ...
 
 
 class TransferHandle:
@@ -32,7 +40,7 @@ class TransferHandle:
 
     def __init__(
         self,
-        backend: Backend | None,
+        backend: Completion | None,
         direction: str,
         device_block_ids: list[int],
         host_block_ids: list[int],
