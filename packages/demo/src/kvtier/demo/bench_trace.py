@@ -7,7 +7,7 @@ The trace is Mooncake's conversation trace (FAST'25; one JSON object a line with
 512-token blocks as integers that form a prefix tree). ``--trace PATH`` reads any file
 of that format (gzip, xz and bzip2 are decompressed); without it the copy packaged in
 kvtier-tiering-spec is read. Both go through kvtier-tiering-spec's validating loader
-(``kvtier.tiering_spec.trace.load_trace``), which names the line of a bad input.
+(``kvtier.tiering_spec.tracefile.load_trace``), which names the line of a bad input.
 
 The window:
 
@@ -72,7 +72,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.tiering_spec.trace import DEFAULT_TRACE, TraceError, TraceRequest, load_trace
+from kvtier.tiering_spec.tracefile import DEFAULT_TRACE, TraceError, TraceRequest, load_trace
 
 MOONCAKE_HINT = (
     "pip install mooncake-transfer-engine-non-cuda (CPU; -npu on Ascend) and Debian's libibverbs1"

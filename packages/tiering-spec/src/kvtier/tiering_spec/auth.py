@@ -22,7 +22,7 @@ import os
 import stat
 from typing import Any
 
-from kvtier.tiering_spec.config import ConfigError
+from kvtier.tiering_spec.errors import ConfigError
 
 MAC_SIZE = 32
 """Bytes of a MAC (BLAKE2b-256)."""

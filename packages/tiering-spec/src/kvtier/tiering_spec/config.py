@@ -16,11 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.blockpool import DEFAULT_MAX_TRACKER_SIZE, PER_RANK_KEY, TOTAL_KEY
+from kvtier.blockpool.policies import POLICIES
+from kvtier.tiering_spec.auth import load_auth_key
+from kvtier.tiering_spec.errors import ConfigError
+from kvtier.tiering_spec.private_dirs import make_private_dirs
+from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
 from kvtier.vllm_port.schema import REQUIRED, Bool, Check, Choice, Int, Key, Schema, Text, accept
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
-EVICTION_POLICIES = ("lru", "arc", "frecency")
+EVICTION_POLICIES = tuple(POLICIES)  # kvtier-blockpool's: lru, arc, frecency
 TIER_TYPES = ("fs", "mooncake")
 DEFAULT_IO_THREADS = 16  # vLLM's fs tier default, so a copied configuration behaves alike
 MAX_IO_THREADS = 256
@@ -31,10 +36,6 @@ DEFAULT_SYNC_LOAD_BUDGET_BYTES = 256 << 20
 
 LOCALITIES = ("LOCAL", "REMOTE")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
-
-
-class ConfigError(ValueError):
-    """A bad ``kv_connector_extra_config`` value; the message names the key."""
 
 
 def _policy_module(key: str, value: Any) -> str:
@@ -481,8 +482,6 @@ def parse_config(
     module_path = values["cache_policy_module_path"]
     policy = values["eviction_policy"]
     if module_path is None and policy not in EVICTION_POLICIES:
-        from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
-
         resolve_vllm_policy(policy, None)  # a name vLLM's CachePolicyFactory knows, or an error
     store_threshold = values["store_threshold"]
     if tiering and store_threshold >= 2:
@@ -576,8 +575,6 @@ def _auth_key_file(value: str | None, where: str, *, check_paths: bool) -> str |
         return None
     path = os.path.abspath(os.path.expanduser(value))
     if check_paths:
-        from kvtier.tiering_spec.auth import load_auth_key  # auth imports this module
-
         load_auth_key(path, f"{where}.auth_key_file")
     return path
 
@@ -611,9 +608,6 @@ def parse_mooncake_tier(
 def check_directory(path: str, key: str) -> None:
     """Create ``path`` and its missing parents (mode 0700) and check it is a writable
     directory of this user that no other user can change (see ``tiers.fs_dirs``)."""
-    # fs_dirs imports this module for ConfigError.
-    from kvtier.tiering_spec.tiers.fs_dirs import make_private_dirs
-
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key}={path!r} exists and is not a directory")
     make_private_dirs(path, key)

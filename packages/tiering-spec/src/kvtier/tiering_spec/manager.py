@@ -1,6 +1,6 @@
-"""The scheduler-side manager: a host tier (kvtier-blockpool) in front of fs tiers.
+"""The scheduler-side manager: a host tier (kvtier-blockpool) in front of secondary tiers.
 
-No vLLM import: ``vllm_adapter`` maps vLLM's ``OffloadingManager`` calls onto this.
+No vLLM import: ``vllm_manager`` maps vLLM's ``OffloadingManager`` calls onto this.
 Keys are vLLM's offload keys (``bytes``); one key is one host block (an offloaded
 chunk of ``blocks_per_chunk`` device blocks).
 
@@ -88,7 +88,7 @@ class TierCounters:
 
 
 class TierManager:
-    """Host block pool plus secondary fs tiers, for one engine's scheduler.
+    """Host block pool plus secondary tiers (fs, Mooncake Store), for one engine's scheduler.
 
     Args:
         pool: the host tier's block pool (capacity = host blocks).
@@ -585,7 +585,7 @@ class TierManager:
         self._write_drops.clear()
 
     def shutdown(self) -> bool:
-        """Stop the fs tiers; False if one still has an I/O call running (its host
+        """Stop the secondary tiers; False if one still has an I/O call running (its host
         region must then stay mapped)."""
         clean = True
         for tier in self.secondary_tiers:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.tiering_spec.trace import (
+from kvtier.tiering_spec.tracefile import (
     BLOCK_TOKENS,
     ModelShape,
     Progress,

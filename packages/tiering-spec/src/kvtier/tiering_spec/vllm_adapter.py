@@ -37,8 +37,8 @@ from kvtier.tiering_spec.config import (
     parse_config,
 )
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
+from kvtier.tiering_spec.private_dirs import make_private_dirs
 from kvtier.tiering_spec.tiers.base import SecondaryTier
-from kvtier.tiering_spec.tiers.fs_dirs import make_private_dirs
 from kvtier.tiering_spec.tiers.fs_format import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.tiers.registry import TierSite, build_tier
 from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager

@@ -17,7 +17,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvtier.tiering_spec.config import ConfigError
+from kvtier.tiering_spec.errors import ConfigError
 from kvtier.vllm_port.port import current as current_port
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -23,10 +23,25 @@ from kvtier.tiering_spec import metrics as m
 from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.manager import Lookup, TierManager
 
-if TYPE_CHECKING:
-    from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
-
 logger = logging.getLogger("kvtier.tiering_spec")
+
+
+class ManagerSpec(Protocol):
+    """What the manager reads of the spec that builds it (kvtier's specs in
+    ``vllm_adapter``; a test's stand-in)."""
+
+    TIERING: bool
+    no_loads_reason: str | None
+    lora_enabled: bool | None
+    settings: Any  # config.OffloadConfig
+    kv_events_config: Any
+    config: Any
+
+    def new_pool(self) -> Any: ...
+
+    def build_secondary_tiers(self) -> tuple[list[Any], Any]: ...
+
+    def config_info_row(self) -> dict[str, Any]: ...
 
 
 class _RequestReuse:
@@ -77,7 +92,7 @@ class KvtierOffloadingManager(OffloadingManager):
     shows LoRA off.
     """
 
-    def __init__(self, spec: _KvtierSpec) -> None:
+    def __init__(self, spec: ManagerSpec) -> None:
         self.spec = spec
         # (request id, whether it has a LoRA adapter) of the request being added now.
         self._arriving: tuple[str, bool] | None = None

@@ -15,8 +15,11 @@ import importlib
 from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
-from kvtier.tiering_spec.config import EVICTION_POLICIES, ConfigError
+from kvtier.blockpool.policies import POLICIES
+from kvtier.tiering_spec.errors import ConfigError
 from kvtier.vllm_port.port import current as current_port
+
+KVTIER_POLICIES = tuple(POLICIES)  # kvtier's own policies, by name
 
 PolicyFactory = Callable[[int], Any]
 """Builds a policy for a capacity in chunks."""
@@ -104,7 +107,7 @@ def resolve_vllm_policy(name: str, module_path: str | None) -> PolicyFactory | N
 
     Raises ``ConfigError`` naming the key and what is allowed.
     """
-    if not module_path and name in EVICTION_POLICIES:
+    if not module_path and name in KVTIER_POLICIES:
         return None
     api = _vllm_policy_api()
     base = api[0] if api is not None else None
@@ -140,7 +143,7 @@ def resolve_vllm_policy(name: str, module_path: str | None) -> PolicyFactory | N
         except (ValueError, ImportError, AttributeError):
             pass
     raise ConfigError(
-        f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, a policy registered "
+        f"eviction_policy must be one of {', '.join(KVTIER_POLICIES)}, a policy registered "
         "with vLLM's CachePolicyFactory, or a class named with cache_policy_module_path, "
         f"got {name!r}"
     )

@@ -2,7 +2,7 @@
 
 Mooncake Store is the store this is built for (``mooncake.store.MooncakeDistributedStore``,
 any object with the :class:`StoreClient` methods works). Runs in the scheduler process,
-like the fs tier, with the same duck-typed interface, so the manager treats both alike.
+like the fs tier, as a ``SecondaryTier`` (``tiers/base.py``), so the manager treats both alike.
 
 * **Keys and bytes as in the fs tier.** One object per copy (rank) of a host block,
   named ``kvtier-kv-v1/<layout fingerprint>/<key digest>``; its bytes are the fs tier's
