@@ -769,11 +769,15 @@ def wheel(session: nox.Session, dist: str) -> None:
 @_disposable
 def lint(session: nox.Session) -> None:
     """ruff over the whole repository, one root configuration; then the source rules
-    ruff cannot express (tools/check_src.py: no stack-frame reads under src/); each
-    package's version against its changelog and its siblings' pins (tools/versions.py)."""
-    session.install("ruff", "packaging")
+    ruff cannot express (tools/check_src.py: no stack-frame reads under src/); the import
+    layers (import-linter's contracts in .importlinter, with a self-test that plants an
+    upward import and a cycle: tools/check_imports.py); each package's version against
+    its changelog and its siblings' pins (tools/versions.py)."""
+    session.install("ruff", "packaging", "import-linter")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", "tools/check_imports.py", "--self-test")
+    session.run("python", "tools/check_imports.py")
     session.run("python", "tools/check_src.py", "--self-test")
     session.run("python", "tools/check_src.py")
     session.run("python", "tools/versions.py", "--self-test")
