@@ -340,10 +340,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # Whose code counts as kvtier's behaviour: every kvtier module but the test helpers and
 # those that only forward to vLLM's code here. kvtier's ``OffloadingConnector`` is vLLM's
 # unchanged unless a kvtier spec drives it (whose code then counts); the plugin registers
-# names; the port and vllm_compat read vLLM's facts and shapes.
+# names; the port (port, interface, gen_*, facts and facts_reader) and vllm_compat read
+# vLLM's facts and shapes.
 _NOT_KVTIER = (
     "kvtier.testkit",
     "kvtier.vllm_port.port",
+    "kvtier.vllm_port.interface",
+    "kvtier.vllm_port.gen_",
     "kvtier.vllm_port.facts",
     "kvtier.vllm_port.plugins",
     "kvtier.vllm_port.schema",

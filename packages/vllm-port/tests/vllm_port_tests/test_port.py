@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvtier.vllm_port import facts, port
+from kvtier.vllm_port import facts, interface, port
 
 
 def _release() -> object:
@@ -175,4 +175,4 @@ def test_no_supported_vllm_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(port, "_selected", [])
     with pytest.raises(RuntimeError, match=r"vLLM 0\.23 and later"):
         port.current()
-    assert not port._module_exists("kvtier_no_such_package.sub")
+    assert not interface.module_exists("kvtier_no_such_package.sub")
