@@ -40,7 +40,7 @@ FRAME_READ = re.compile(
 )
 FACTORY = re.compile(r"factory", re.IGNORECASE)
 
-PORT = "packages/vllm-port/src/kvtier/vllm_port/port.py"
+PORT = "packages/vllm-port/src/kvtier/vllm_port/"  # the port's modules
 PLUGINS = re.compile(r"packages/(recompute-connector|tiering-spec|vllm-port)/")
 # The files each rule reads (every rule: every package's src/).
 SCOPE: dict[str, re.Pattern[str]] = {"vllm probe": PLUGINS}
@@ -49,7 +49,10 @@ ALLOWED: dict[str, dict[str, str]] = {
     "frame read": {},
     "class under a branch": {},
     "factory patch": {},
-    "vllm probe": {PORT: "the port: the one module that asks which vLLM runs here"},
+    "vllm probe": {
+        PORT + "interface.py": "the port: the one place that asks which vLLM runs here",
+        PORT + "facts_reader.py": "the port's reader of the engine's facts",
+    },
 }
 
 
