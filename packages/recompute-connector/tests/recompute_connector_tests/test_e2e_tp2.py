@@ -13,7 +13,7 @@ from kvtier.testkit import WorkloadResult, compare_outputs, requires_vllm, run_s
 
 MIN_PREEMPTIONS = 10
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy, pytest.mark.slow, requires_vllm]
 
 SCRIPT = "recompute_connector_tests.tp2_script"
 

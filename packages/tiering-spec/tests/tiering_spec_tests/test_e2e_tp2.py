@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.testkit import run_script
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy, pytest.mark.slow]
 
 pytest.importorskip("vllm")
 
