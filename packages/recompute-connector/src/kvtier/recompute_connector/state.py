@@ -3,7 +3,9 @@
 :class:`RecomputeOffloadScheduler` is a state machine fed by the vLLM adapter (see
 ``connector.py``) with plain values, so it is tested without an engine. It owns the
 host block bookkeeping (a :class:`kvtier.blockpool.HostBlockPool`); the workers own
-the host memory and copy what the step plans say.
+the host memory and copy what the step plans say. Its records live in
+:mod:`.state_types`, the block maps of each copy are planned by :mod:`.planner`, and
+:mod:`.invariants` checks the bookkeeping for tests.
 
 A preempted request's life::
 
@@ -40,172 +42,29 @@ referencing it is recomputed.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from kvtier.blockpool import HostBlockPool
+from kvtier.recompute_connector import invariants, planner
 from kvtier.recompute_connector.protocol import StepPlan, TransferJob, WorkerReport
+from kvtier.recompute_connector.state_types import (
+    Fallback,
+    KVGroup,
+    Phase,
+    PreemptedRequestState,
+    RunningRequest,
+    SchedulerStats,
+    SharedBlock,
+    SlotKind,
+)
 
 logger = logging.getLogger("kvtier.recompute_connector")
 
 # A store the workers have not reported after this many steps is given up on (the
 # request is recomputed); its host blocks stay reserved until the report comes.
 STORE_REPORT_TIMEOUT_STEPS = 1000
-
-
-class Fallback(str, enum.Enum):
-    """Why a preempted request is recomputed instead of restored."""
-
-    CAPACITY = "capacity"  # host blocks short
-    STORE_FAILED = "store_failed"  # a rank's device -> host copy failed
-    LOAD_FAILED = "load_failed"  # a rank's host -> device copy failed
-    WINDOW_GAP = "window_gap"  # a sliding-window block needed at resume was not stored
-    UNSUPPORTED = "unsupported_kv_cache"  # a KV cache group that is not paged attention
-    STORE_TIMEOUT = "store_timeout"  # no store report from the workers in time
-    STATE_POSITION = "state_position"  # a recurrent state kept past the tokens it resumes at
-
-
-class Phase(str, enum.Enum):
-    STORING = "storing"
-    RESTORABLE = "restorable"
-    LOADING = "loading"
-
-
-@dataclass(frozen=True)
-class KVGroup:
-    """One KV cache group as the connector sees it.
-
-    Attributes:
-        block_size: tokens per device block of this group.
-        sliding_window: attention window in tokens, or ``None`` for full attention.
-        supported: False for groups the connector cannot keep.
-        state: the group holds one recurrent state per request (linear attention,
-            Mamba), in the block of the request's last computed token, as vLLM's
-            ``mamba_cache_mode="align"`` keeps it: only that block is kept, and a
-            restore resumes at exactly the token the state was kept at.
-        mirrorable: its block tables follow from the scheduler's outputs (full
-            attention, sliding window; see ``block_tables``).
-    """
-
-    block_size: int
-    sliding_window: int | None = None
-    supported: bool = True
-    state: bool = False
-    mirrorable: bool = True
-
-
-@dataclass(eq=False)
-class SharedBlock:
-    """One full, hashed block kept once on host for every preempted request holding it.
-
-    Attributes:
-        key: (KV cache group, block hash).
-        owner: its owner in the host pool (one block each).
-        host: the host block.
-        refs: preempted requests referencing it.
-        writer: the store job writing it, 0 once written.
-        ready: its store succeeded on every rank.
-        failed: its store failed (never restored from; freed with its last reference).
-    """
-
-    key: tuple[int, bytes]
-    owner: tuple[str, int]
-    host: int
-    refs: int = 0
-    writer: int = 0
-    ready: bool = False
-    failed: bool = False
-
-
-class SlotKind(enum.Enum):
-    """What one device block of a preempted request becomes on host."""
-
-    NULL = "null"  # no block at this position (a null block): nothing to keep
-    PRIVATE = "private"  # a host block of the request's own store job
-    SHARED = "shared"  # an entry already on host (stored for another request)
-    NEW = "new"  # a new shared entry this store writes
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One position of one KV group in a preempted request's plan."""
-
-    kind: SlotKind
-    device: int = -1  # the device block copied (PRIVATE, NEW)
-    key: tuple[int, bytes] | None = None  # (group, block hash) of a shared entry
-    entry: SharedBlock | None = None  # the entry on host (SHARED)
-
-    @staticmethod
-    def null() -> Slot:
-        return _NULL_SLOT
-
-
-_NULL_SLOT = Slot(SlotKind.NULL)
-
-
-@dataclass
-class RunningRequest:
-    """What the connector knows of a running request (updated every step it runs)."""
-
-    block_ids: tuple[list[int], ...]
-    kv_tokens: int
-
-
-@dataclass
-class PreemptedRequestState:
-    """A preempted request whose KV is (being) kept in host blocks.
-
-    Attributes:
-        req_id: the request.
-        phase: STORING, RESTORABLE or LOADING.
-        num_tokens: tokens of KV held (``kv_tokens`` at preemption; may include a
-            partial last block).
-        host_blocks: per KV cache group, per logical block position, the host block
-            holding it, or ``None`` where the device block was a null block.
-        job_id: the store or load job in flight.
-        ranks_ok / ranks_failed: reports received for the job in flight.
-        steps_waiting: scheduler steps since the store was planned.
-        free_when_done: the request finished while a copy was in flight.
-    """
-
-    req_id: str
-    phase: Phase
-    num_tokens: int
-    host_blocks: tuple[list[int | None], ...]
-    job_id: int
-    owner: int = 0
-    pinned: list[int] = field(default_factory=list)
-    ranks_ok: int = 0
-    ranks_failed: int = 0
-    steps_waiting: int = 0
-    free_when_done: bool = False
-    load_tokens: int = 0
-    timed_out: bool = False
-    shared: list[SharedBlock] = field(default_factory=list)
-    stored: bool = False
-
-    @property
-    def all_host_blocks(self) -> list[int]:
-        return [h for group in self.host_blocks for h in group if h is not None]
-
-
-@dataclass
-class SchedulerStats:
-    """Counters since the last :meth:`RecomputeOffloadScheduler.take_stats` (deltas)."""
-
-    preemptions_offloaded: int = 0
-    tokens_stored: int = 0
-    restores: int = 0
-    tokens_restored: int = 0
-    fallbacks: Counter[str] = field(default_factory=Counter)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class RecomputeOffloadScheduler:
@@ -291,11 +150,19 @@ class RecomputeOffloadScheduler:
             self._fallback(req_id, Fallback.UNSUPPORTED, "its KV cache is not paged attention")
             return None
         valid = run.kv_tokens if num_tokens is None else min(run.kv_tokens, num_tokens - 1)
-        planned = self._plan_slots(run, block_hashes, valid)
+        planned = planner.plan_slots(
+            self.groups,
+            run,
+            block_hashes,
+            valid,
+            shared=self.shared,
+            share_prefix=self.share_prefix,
+            null_block_id=self.null_block_id,
+        )
         if isinstance(planned, tuple):
             self._fallback(req_id, *planned)
             return None
-        needed = sum(s.kind in (SlotKind.PRIVATE, SlotKind.NEW) for row in planned for s in row)
+        needed = planner.blocks_needed(planned)
         if needed > self.pool.num_free:
             self._fallback(
                 req_id,
@@ -306,7 +173,9 @@ class RecomputeOffloadScheduler:
             return None
         # Private host blocks are owned by the store job, so a request's copies never mix.
         owner = next(self._jobs)
-        device, host, entries, host_layout = self._take_host_blocks(planned, owner)
+        device, host, entries, host_layout = planner.take_host_blocks(
+            self.pool, planned, owner, self.shared, self._shared_ids
+        )
         n_new = sum(s.kind is SlotKind.NEW for row in planned for s in row)
         state = PreemptedRequestState(
             req_id, Phase.STORING, run.kv_tokens, tuple(host_layout), 0, owner, shared=entries
@@ -335,87 +204,6 @@ class RecomputeOffloadScheduler:
             self.pool.num_blocks,
         )
         return job
-
-    def _plan_slots(
-        self,
-        run: RunningRequest,
-        block_hashes: Sequence[Sequence[bytes]] | None,
-        valid: int,
-    ) -> list[list[Slot]] | tuple[Fallback, str]:
-        """What each of the request's blocks becomes on host, per group and position
-        (blocks holding KV only: speculative lookahead blocks hold none), or why the
-        request falls back. Only blocks whose KV is valid (``valid`` tokens) are shared."""
-        slots: list[list[Slot]] = []
-        new_keys: set[tuple[int, bytes]] = set()
-        for g, (group, blocks) in enumerate(zip(self.groups, run.block_ids)):
-            n = min(_ceil_div(run.kv_tokens, group.block_size), len(blocks))
-            if group.state:
-                # The state after the last computed token lives in its block alone.
-                last = blocks[n - 1] if n == _ceil_div(run.kv_tokens, group.block_size) else None
-                if last is None or last == self.null_block_id:
-                    return Fallback.STATE_POSITION, "its recurrent state block is gone"
-                slots.append([Slot.null()] * (n - 1) + [Slot(SlotKind.PRIVATE, last)])
-                continue
-            hashes = block_hashes[g] if self.share_prefix and block_hashes else ()
-            row: list[Slot] = []
-            for i, b in enumerate(blocks[:n]):
-                if b == self.null_block_id:
-                    row.append(Slot.null())
-                    continue
-                key = (g, bytes(hashes[i])) if i < len(hashes) else None
-                if key is None or (i + 1) * group.block_size > valid or key in new_keys:
-                    # Unshareable, not valid KV yet, or the same hash twice in one request.
-                    row.append(Slot(SlotKind.PRIVATE, b))
-                elif key in self.shared and not self.shared[key].failed:
-                    row.append(Slot(SlotKind.SHARED, b, key, self.shared[key]))
-                else:
-                    new_keys.add(key)
-                    row.append(Slot(SlotKind.NEW, b, key))
-            slots.append(row)
-        return slots
-
-    def _take_host_blocks(
-        self, planned: list[list[Slot]], owner: int
-    ) -> tuple[list[int], list[int], list[SharedBlock], list[list[int | None]]]:
-        """Allocate the host blocks ``planned`` needs (the caller checked there is room):
-        private ones owned by the store job ``owner``, a shared entry per new key.
-
-        Returns the device and host blocks to copy (in step), the shared entries the
-        request holds (a reference each), and the host block of each slot per group."""
-        n_private = sum(s.kind is SlotKind.PRIVATE for row in planned for s in row)
-        private = iter(self.pool.allocate_owned(owner, n_private, evict=False) or [])
-        device: list[int] = []
-        host: list[int] = []
-        entries: list[SharedBlock] = []
-        host_layout: list[list[int | None]] = []
-        for row in planned:
-            hosts: list[int | None] = []
-            for slot in row:
-                if slot.kind is SlotKind.NULL:
-                    hosts.append(None)
-                    continue
-                if slot.kind is SlotKind.PRIVATE:
-                    h = next(private)
-                    device.append(slot.device)
-                    host.append(h)
-                    hosts.append(h)
-                    continue
-                if slot.kind is SlotKind.NEW:
-                    assert slot.key is not None
-                    entry_owner = ("shared", next(self._shared_ids))
-                    (block,) = self.pool.allocate_owned(entry_owner, 1, evict=False) or [-1]
-                    entry = SharedBlock(slot.key, entry_owner, block, writer=owner)
-                    self.shared[slot.key] = entry
-                    device.append(slot.device)
-                    host.append(block)
-                else:
-                    assert slot.entry is not None
-                    entry = slot.entry
-                entry.refs += 1
-                entries.append(entry)
-                hosts.append(entry.host)
-            host_layout.append(hosts)
-        return device, host, entries, host_layout
 
     def _settle(self, state: PreemptedRequestState) -> None:
         """A stored state becomes restorable once every block it shares is stored."""
@@ -460,22 +248,14 @@ class RecomputeOffloadScheduler:
         if tokens <= num_local_computed_tokens:
             return 0
         if self.has_state:
-            detail = self._state_unrestorable(tokens, state.num_tokens)
+            detail = planner.state_unrestorable(tokens, state.num_tokens)
             if detail:
                 self._fallback(req_id, Fallback.STATE_POSITION, detail)
                 return 0
-        if not self._covers(state, num_local_computed_tokens, tokens):
+        if not planner.covers(self.groups, state.host_blocks, num_local_computed_tokens, tokens):
             self._fallback(req_id, Fallback.WINDOW_GAP, "a block inside the window was not kept")
             return 0
         return tokens - num_local_computed_tokens
-
-    def _state_unrestorable(self, tokens: int, kept: int) -> str:
-        """Why a recurrent state kept at ``kept`` tokens cannot resume a request at
-        ``tokens`` tokens, or "" when it can."""
-        if tokens != kept:
-            # A recurrent state is the state after all its tokens: no prefix of it exists.
-            return "its recurrent state is past the tokens it resumes with"
-        return ""
 
     def uncounted_state_blocks(self, tokens: int, num_tokens: int) -> int:
         """Device blocks that vLLM (0.32, ``mamba_cache_mode="align"``) allocates without
@@ -483,30 +263,7 @@ class RecomputeOffloadScheduler:
         ``tokens`` restored: one per state group whose remaining tokens reach past the
         block of the restored state (it allocates that block and the block of the
         step's last token, but counts one)."""
-        extra = 0
-        for group in self.groups:
-            room = group.block_size - tokens % group.block_size
-            if group.state and (room == group.block_size or num_tokens - tokens > room):
-                extra += 1
-        return extra
-
-    def _covers(self, state: PreemptedRequestState, start: int, end: int) -> bool:
-        """Whether every block a resume at ``end`` tokens reads beyond ``start`` is kept."""
-        for group, hosts in zip(self.groups, state.host_blocks):
-            bs = group.block_size
-            if group.state:
-                last = (end - 1) // bs
-                if last >= len(hosts) or hosts[last] is None:
-                    return False
-                continue
-            first = start // bs
-            if group.sliding_window:
-                # One token of margin below the window: never claim a block vLLM keeps.
-                first = max(first, max(0, end - group.sliding_window) // bs)
-            last = _ceil_div(end, bs)
-            if last > len(hosts) or any(h is None for h in hosts[first:last]):
-                return False
-        return True
+        return planner.uncounted_state_blocks(self.groups, tokens, num_tokens)
 
     def on_allocated(
         self,
@@ -527,43 +284,21 @@ class RecomputeOffloadScheduler:
             self._drop(req_id)
             return None
         end = num_local_computed_tokens + num_external_tokens
-        device: list[int] = []
-        host: list[int] = []
-        state_hosts: list[int] = []
-        unrestorable = False
-        for group, blocks, hosts in zip(self.groups, block_ids, state.host_blocks):
-            bs = group.block_size
-            if group.state:
-                # vLLM reads the state from the block of token end - 1, and may copy it
-                # into the block of this step's last token before the load has run:
-                # every allocated block from there on gets the state.
-                first = (end - 1) // bs
-                h = hosts[first] if first < len(hosts) else None
-                targets = [b for b in blocks[first:] if b != self.null_block_id]
-                if h is None or not targets or blocks[first] == self.null_block_id:
-                    self._plan.unrestorable_device_blocks.extend(targets)
-                    unrestorable = True
-                    continue
-                device.extend(targets)
-                host.extend([h] * len(targets))
-                state_hosts.append(h)
-                continue
-            # Clip to what is allocated (the load never writes lookahead blocks).
-            stop = min(_ceil_div(end, bs), len(blocks))
-            for i in range(num_local_computed_tokens // bs, stop):
-                dev = blocks[i]
-                if dev == self.null_block_id:
-                    continue  # outside the window now: nothing to restore there
-                h = hosts[i] if i < len(hosts) else None
-                if h is None:
-                    self._plan.unrestorable_device_blocks.append(dev)
-                    unrestorable = True
-                    continue
-                device.append(dev)
-                host.append(h)
-        if unrestorable:
+        copies = planner.map_load(
+            self.groups,
+            block_ids,
+            state.host_blocks,
+            num_local_computed_tokens,
+            end,
+            self.null_block_id,
+        )
+        device, host = copies.device, copies.host
+        self._plan.unrestorable_device_blocks.extend(copies.unrestorable_blocks)
+        if copies.unrestorable:
             self._plan.unrestorable_requests.append(req_id)
-        job = TransferJob(next(self._jobs), req_id, device, host, num_external_tokens, state_hosts)
+        job = TransferJob(
+            next(self._jobs), req_id, device, host, num_external_tokens, copies.state_hosts
+        )
         state.phase = Phase.LOADING
         state.job_id = job.job_id
         state.ranks_ok = state.ranks_failed = 0
@@ -734,40 +469,22 @@ class RecomputeOffloadScheduler:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the bookkeeping is inconsistent (for tests)."""
-        self.pool.check_invariants()
-        live = {s.owner: s for s in self.preempted.values()}
-        live.update({s.owner: s for s in self._in_flight.values()})
-        refs: Counter[int] = Counter()
-        entries: dict[int, SharedBlock] = {}
-        for state in live.values():
-            for e in state.shared:
-                refs[id(e)] += 1
-                entries[id(e)] = e
-        for key, e in self.shared.items():
-            assert e.key == key and not e.failed and id(e) in entries, f"{key}: stale entry"
-        for i, e in entries.items():
-            assert e.refs == refs[i], f"{e.key}: {e.refs} references counted, {refs[i]} held"
-            assert self.pool.owned_blocks(e.owner) == [e.host], f"{e.key}: host block lost"
-        owners: set[object] = {o for o, s in live.items() if self.pool.owned_blocks(o)}
-        owners |= {e.owner for e in entries.values()}
-        owned = set(self.pool.owners())
-        assert owned == owners, f"owners differ: pool {owned}, states {owners}"
-        for owner, state in live.items():
-            shared = {e.host for e in state.shared}
-            private = [h for h in state.all_host_blocks if h not in shared]
-            assert sorted(private) == sorted(self.pool.owned_blocks(owner))
-        for state in self.preempted.values():
-            assert not state.free_when_done, "a dropped state is still listed as preempted"
-            in_flight = state.job_id in self._in_flight
-            if state.phase == Phase.RESTORABLE:
-                assert not in_flight and state.stored, f"{state.req_id}: restorable too early"
-                assert all(e.ready for e in state.shared), f"{state.req_id}: shares unstored"
-            elif state.phase == Phase.LOADING:
-                assert in_flight, f"{state.req_id}: load job lost"
-            else:
-                assert in_flight != state.stored, f"{state.req_id}: store job lost"
+        invariants.check(self.pool, self.preempted, self._in_flight, self.shared)
 
     @property
     def num_in_flight(self) -> int:
         """Copies planned and not yet reported by every rank."""
         return len(self._in_flight)
+
+
+__all__ = [
+    "STORE_REPORT_TIMEOUT_STEPS",
+    "Fallback",
+    "KVGroup",
+    "Phase",
+    "PreemptedRequestState",
+    "RecomputeOffloadScheduler",
+    "RunningRequest",
+    "SchedulerStats",
+    "SharedBlock",
+]
