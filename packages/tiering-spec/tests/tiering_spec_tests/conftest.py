@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.tiering_spec.config import FsTierConfig
-from kvtier.tiering_spec.tiers.fs_tier import FileSystemTier
+from kvtier.tiering_spec.tiers.fs.tier import FileSystemTier
 
 from .tier_support import Region, layouts
 

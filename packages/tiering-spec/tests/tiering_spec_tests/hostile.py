@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tiering_spec.tiers import fs_format
+from kvtier.tiering_spec.tiers.fs import format as fs_format
 
 OTHER_UID = 54321  # no account: an id no file of the host belongs to
 

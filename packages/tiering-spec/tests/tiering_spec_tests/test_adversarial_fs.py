@@ -26,9 +26,11 @@ import pytest
 from kvtier.blockpool import HostBlockPool
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig, parse_config
 from kvtier.tiering_spec.manager import Lookup, TierManager
-from kvtier.tiering_spec.tiers import fs_format, fs_io, fs_tier
-from kvtier.tiering_spec.tiers.fs_format import key_digest
-from kvtier.tiering_spec.tiers.fs_tier import FileSystemTier
+from kvtier.tiering_spec.tiers.fs import format as fs_format
+from kvtier.tiering_spec.tiers.fs import io as fs_io
+from kvtier.tiering_spec.tiers.fs import tier as fs_tier
+from kvtier.tiering_spec.tiers.fs.format import key_digest
+from kvtier.tiering_spec.tiers.fs.tier import FileSystemTier
 
 from .hostile import OTHER_UID, as_other_user, forged_block, need_root, plant
 from .tier_support import PAYLOAD, Region, layouts, wait_results

@@ -26,9 +26,9 @@ from kvtier.blockpool import HostBlockPool
 from kvtier.tiering_spec import auth
 from kvtier.tiering_spec.config import ConfigError, parse_fs_tier, parse_mooncake_tier
 from kvtier.tiering_spec.manager import Lookup, TierManager
-from kvtier.tiering_spec.tiers import fs_format
-from kvtier.tiering_spec.tiers.fs_format import key_digest
-from kvtier.tiering_spec.tiers.store_tier import (
+from kvtier.tiering_spec.tiers.fs import format as fs_format
+from kvtier.tiering_spec.tiers.fs.format import key_digest
+from kvtier.tiering_spec.tiers.store.tier import (
     MAX_BATCH,
     MAX_PENDING_PROBES,
     MAX_STUCK_CALLS,

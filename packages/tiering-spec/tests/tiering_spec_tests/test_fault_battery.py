@@ -40,8 +40,9 @@ import pytest
 
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig, parse_config
 from kvtier.tiering_spec.identity import digest_model, model_files
-from kvtier.tiering_spec.tiers import fs_format, fs_scan
-from kvtier.tiering_spec.tiers.fs_tier import FileSystemTier
+from kvtier.tiering_spec.tiers.fs import format as fs_format
+from kvtier.tiering_spec.tiers.fs import scan as fs_scan
+from kvtier.tiering_spec.tiers.fs.tier import FileSystemTier
 
 from .tier_support import wait_results
 
@@ -242,7 +243,7 @@ def test_a_shard_directory_swapped_for_a_link_is_refused_at_start(tmp_path: Path
 def test_a_link_under_a_block_name_is_neither_indexed_nor_read(tmp_path: Path) -> None:
     import mmap
 
-    from kvtier.tiering_spec.tiers.fs_format import key_digest
+    from kvtier.tiering_spec.tiers.fs.format import key_digest
 
     payload = 8192
     region = mmap.mmap(-1, 2 * payload)
@@ -274,7 +275,7 @@ def test_a_link_under_a_block_name_is_neither_indexed_nor_read(tmp_path: Path) -
 def _written_tier(root: Path, keys: list[bytes], payload: int = 8192) -> FileSystemTier:
     import mmap
 
-    from kvtier.tiering_spec.tiers.fs_format import key_digest
+    from kvtier.tiering_spec.tiers.fs.format import key_digest
 
     region = mmap.mmap(-1, max(1, len(keys)) * payload)
     tier = make_fs_tier(root, payload, lambda: [memoryview(region)])
@@ -295,7 +296,7 @@ def test_without_capacity_bytes_the_tier_takes_half_the_free_space(tmp_path: Pat
 
 
 def test_the_restart_scan_removes_damaged_and_stale_files(tmp_path: Path) -> None:
-    from kvtier.tiering_spec.tiers.fs_format import TMP_PREFIX, key_digest
+    from kvtier.tiering_spec.tiers.fs.format import TMP_PREFIX, key_digest
 
     root = tmp_path / "fs"
     first = _written_tier(root, [b"a", b"b", b"c"])
@@ -338,7 +339,7 @@ def test_the_restart_scan_removes_old_fingerprints_past_the_age_limit(tmp_path: 
 def test_the_engine_starts_before_the_scan_ends_and_serves_what_it_finds(
     tmp_path: Path,
 ) -> None:
-    from kvtier.tiering_spec.tiers.fs_format import key_digest
+    from kvtier.tiering_spec.tiers.fs.format import key_digest
 
     root = tmp_path / "fs"
     _written_tier(root, [b"a"]).shutdown()
@@ -355,7 +356,7 @@ def test_the_engine_starts_before_the_scan_ends_and_serves_what_it_finds(
 def test_a_lookup_never_touches_the_filesystem(tmp_path: Path, monkeypatch) -> None:
     import threading
 
-    from kvtier.tiering_spec.tiers.fs_format import key_digest
+    from kvtier.tiering_spec.tiers.fs.format import key_digest
 
     tier = _written_tier(tmp_path / "fs", [b"a"])
     main = threading.get_ident()
@@ -379,7 +380,7 @@ def test_a_lookup_never_touches_the_filesystem(tmp_path: Path, monkeypatch) -> N
 def test_a_shard_folder_deleted_at_run_time_is_made_again(tmp_path: Path) -> None:
     import mmap
 
-    from kvtier.tiering_spec.tiers.fs_format import key_digest
+    from kvtier.tiering_spec.tiers.fs.format import key_digest
 
     payload = 8192
     region = mmap.mmap(-1, 2 * payload)
@@ -402,7 +403,7 @@ def _hung_reads(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Make every fs read hang (as on a dead network mount) until the event is set."""
     import threading
 
-    from kvtier.tiering_spec.tiers import fs_io
+    from kvtier.tiering_spec.tiers.fs import io as fs_io
 
     release = threading.Event()
     real = fs_io._preadv
@@ -450,8 +451,8 @@ def test_a_reset_does_not_wait_forever_for_a_hung_read(tmp_path: Path, monkeypat
 def test_shutdown_returns_despite_a_hung_read_and_counts_it(tmp_path: Path, monkeypatch) -> None:
     import mmap
 
-    from kvtier.tiering_spec.tiers import fs_tier
-    from kvtier.tiering_spec.tiers.fs_format import key_digest
+    from kvtier.tiering_spec.tiers.fs import tier as fs_tier
+    from kvtier.tiering_spec.tiers.fs.format import key_digest
 
     payload = 8192
     region = mmap.mmap(-1, 2 * payload)

@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvtier.tiering_spec.tiers.fs_index import FsCapacity, FsIndex
+from kvtier.tiering_spec.tiers.fs.index import FsCapacity, FsIndex
 
 ENTRY = 10
 DIGEST = st.integers(0, 11).map(lambda i: b"d%02d" % i)

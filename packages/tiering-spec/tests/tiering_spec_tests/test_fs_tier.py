@@ -12,8 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtier.tiering_spec.tiers import fs_format, fs_io, fs_tier
-from kvtier.tiering_spec.tiers.fs_format import key_digest
+from kvtier.tiering_spec.tiers.fs import format as fs_format
+from kvtier.tiering_spec.tiers.fs import io as fs_io
+from kvtier.tiering_spec.tiers.fs import tier as fs_tier
+from kvtier.tiering_spec.tiers.fs.format import key_digest
 
 from .tier_support import PAYLOAD, Region, wait_results
 

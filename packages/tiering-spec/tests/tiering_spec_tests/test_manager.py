@@ -12,9 +12,9 @@ import pytest
 from kvtier.blockpool import Hold, HostBlockPool
 from kvtier.tiering_spec import metrics
 from kvtier.tiering_spec.manager import FRESH_STEPS, Lookup, TierManager
-from kvtier.tiering_spec.tiers import fs_format
 from kvtier.tiering_spec.tiers.base import FAULT_KINDS, TierStats
-from kvtier.tiering_spec.tiers.fs_format import key_digest
+from kvtier.tiering_spec.tiers.fs import format as fs_format
+from kvtier.tiering_spec.tiers.fs.format import key_digest
 
 from .tier_support import PAYLOAD, Region
 

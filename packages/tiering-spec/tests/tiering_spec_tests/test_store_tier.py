@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvtier.tiering_spec.tiers import fs_format
-from kvtier.tiering_spec.tiers.fs_format import key_digest
-from kvtier.tiering_spec.tiers.store_tier import StoreTier, StoreTierSettings
+from kvtier.tiering_spec.tiers.fs import format as fs_format
+from kvtier.tiering_spec.tiers.fs.format import key_digest
+from kvtier.tiering_spec.tiers.store.tier import StoreTier, StoreTierSettings
 
 from .mooncake_env import Master, _mooncake
 

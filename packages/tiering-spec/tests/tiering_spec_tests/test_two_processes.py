@@ -12,8 +12,8 @@ import pytest
 WORKER = r"""
 import json, mmap, random, sys, time
 from kvtier.tiering_spec.config import FsTierConfig
-from kvtier.tiering_spec.tiers.fs_format import key_digest
-from kvtier.tiering_spec.tiers.fs_tier import FileSystemTier
+from kvtier.tiering_spec.tiers.fs.format import key_digest
+from kvtier.tiering_spec.tiers.fs.tier import FileSystemTier
 
 root, me, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 PAYLOAD, BLOCKS, KEYS = 64 * 1024, 16, 24

@@ -7,7 +7,7 @@ import mmap
 import time
 from collections.abc import Sequence
 
-from kvtier.tiering_spec.tiers.fs_tier import FileSystemTier
+from kvtier.tiering_spec.tiers.fs.tier import FileSystemTier
 
 PAYLOAD = 8192  # bytes of one rank's host block in the unit tests
 

@@ -38,9 +38,9 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from kvtier.tiering_spec.config import FsTierConfig
-from kvtier.tiering_spec.tiers.fs_format import HEADER_SIZE, checksum, key_digest
-from kvtier.tiering_spec.tiers.fs_io import O_DIRECT, probe_o_direct
-from kvtier.tiering_spec.tiers.fs_tier import FileSystemTier
+from kvtier.tiering_spec.tiers.fs.format import HEADER_SIZE, checksum, key_digest
+from kvtier.tiering_spec.tiers.fs.io import O_DIRECT, probe_o_direct
+from kvtier.tiering_spec.tiers.fs.tier import FileSystemTier
 
 GiB = 1 << 30
 
@@ -588,7 +588,7 @@ def _store_tier_rows(
     client: Any, region: mmap.mmap, n: int, block: int, rep: int
 ) -> list[dict[str, Any]]:
     """kvtier's store tier on the same bytes: checksummed headers, the same batches."""
-    from kvtier.tiering_spec.tiers.store_tier import StoreTier
+    from kvtier.tiering_spec.tiers.store.tier import StoreTier
 
     view = memoryview(region)
     tier = StoreTier(

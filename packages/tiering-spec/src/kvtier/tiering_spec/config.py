@@ -607,7 +607,7 @@ def parse_mooncake_tier(
 
 def check_directory(path: str, key: str) -> None:
     """Create ``path`` and its missing parents (mode 0700) and check it is a writable
-    directory of this user that no other user can change (see ``tiers.fs_dirs``)."""
+    directory of this user that no other user can change (see ``tiers.fs.dirs``)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key}={path!r} exists and is not a directory")
     make_private_dirs(path, key)

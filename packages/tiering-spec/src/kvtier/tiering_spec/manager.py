@@ -49,7 +49,7 @@ from kvtier.blockpool import (
 )
 from kvtier.tiering_spec.tier_flow import TierFlow
 from kvtier.tiering_spec.tiers.base import SecondaryTier, TierFault, TierJob, TierResult
-from kvtier.tiering_spec.tiers.fs_format import key_digest
+from kvtier.tiering_spec.tiers.fs.format import key_digest
 
 logger = logging.getLogger("kvtier.tiering_spec")
 

@@ -5,7 +5,7 @@ regions) are loaded into the KV cache, so nobody but this OS user may be able to
 file there, now or later: every parent is checked as ssh's ``StrictModes`` checks a
 home directory (owned by root or this user, and writable by no one else unless it is
 sticky and owned by root or this user), and every folder kvtier creates is made
-``0700`` whatever the umask. :mod:`kvtier.tiering_spec.tiers.fs_dirs` then holds the
+``0700`` whatever the umask. :mod:`kvtier.tiering_spec.tiers.fs.dirs` then holds the
 fs tier's folders open.
 
 Units: none; every function here works on names.

@@ -198,7 +198,7 @@ def kvtier_manager(
     (default: ``policy`` where the fs tier knows it by name, else the tier's default)."""
     from kvtier.blockpool import HostRegion
     from kvtier.tiering_spec import vllm_adapter
-    from kvtier.tiering_spec.tiers.fs_format import HEADER_SIZE
+    from kvtier.tiering_spec.tiers.fs.format import HEADER_SIZE
 
     extra: dict[str, Any] = {
         "cpu_bytes_to_use": capacity * PAYLOAD_BYTES,

@@ -39,7 +39,7 @@ from kvtier.tiering_spec.config import (
 from kvtier.tiering_spec.identity import digest_model, resolve_model_location
 from kvtier.tiering_spec.private_dirs import make_private_dirs
 from kvtier.tiering_spec.tiers.base import SecondaryTier
-from kvtier.tiering_spec.tiers.fs_format import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
+from kvtier.tiering_spec.tiers.fs.format import ALIGNMENT, FORMAT_DIR, FORMAT_VERSION
 from kvtier.tiering_spec.tiers.registry import TierSite, build_tier
 from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
 from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy

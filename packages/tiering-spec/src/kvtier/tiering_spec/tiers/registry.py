@@ -20,7 +20,7 @@ from kvtier.tiering_spec.config import ConfigError, FsTierConfig, MooncakeTierCo
 from kvtier.tiering_spec.tiers.base import SecondaryTier
 
 if TYPE_CHECKING:
-    from kvtier.tiering_spec.tiers.store_tier import StoreClient
+    from kvtier.tiering_spec.tiers.store.tier import StoreClient
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def build_tier(cfg: Any, where: str, name: str, events: bool, site: TierSite) ->
 
 @register_tier_type("fs")
 def _fs_tier(cfg: FsTierConfig, where: str, name: str, events: bool, site: TierSite) -> Any:
-    from kvtier.tiering_spec.tiers.fs_tier import FileSystemTier
+    from kvtier.tiering_spec.tiers.fs.tier import FileSystemTier
 
     return FileSystemTier(
         cfg,
@@ -89,7 +89,7 @@ def _fs_tier(cfg: FsTierConfig, where: str, name: str, events: bool, site: TierS
 def _mooncake_tier(
     cfg: MooncakeTierConfig, where: str, name: str, events: bool, site: TierSite
 ) -> Any:
-    from kvtier.tiering_spec.tiers.store_tier import StoreTier, StoreTierSettings
+    from kvtier.tiering_spec.tiers.store.tier import StoreTier, StoreTierSettings
 
     auth_key = (
         load_auth_key(cfg.auth_key_file, f"{where}.auth_key_file") if cfg.auth_key_file else None

@@ -2,9 +2,9 @@
 
 A block file is written whole to a temporary name and renamed, and read with checks in
 this order: this user's regular file with one link (:func:`kvtier.tiering_spec.tiers.
-fs_scan.foreign`), exactly ``file_bytes`` long, the header (format, fingerprint, key,
+fs.scan.foreign`), exactly ``file_bytes`` long, the header (format, fingerprint, key,
 length), the payload's checksum, then the MAC where a key is configured. Any mismatch
-raises :class:`kvtier.tiering_spec.tiers.fs_format.FormatError` with its fault kind; an I/O
+raises :class:`kvtier.tiering_spec.tiers.fs.format.FormatError` with its fault kind; an I/O
 error raises ``OSError``. Each function takes the folder as a held file descriptor, so
 no path is resolved twice, and the scratch buffers from its caller (page aligned, for
 ``O_DIRECT``).
@@ -18,9 +18,9 @@ import errno
 import mmap
 import os
 
-from kvtier.tiering_spec.tiers import fs_format
 from kvtier.tiering_spec.tiers.base import TierFault
-from kvtier.tiering_spec.tiers.fs_scan import foreign, own_block_file
+from kvtier.tiering_spec.tiers.fs import format as fs_format
+from kvtier.tiering_spec.tiers.fs.scan import foreign, own_block_file
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 

@@ -46,7 +46,6 @@ from typing import Any
 
 from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.config import ConfigError, FsTierConfig
-from kvtier.tiering_spec.tiers import fs_format, fs_io
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
     SecondaryTier,
@@ -55,9 +54,11 @@ from kvtier.tiering_spec.tiers.base import (
     TierStats,
     count_down,
 )
-from kvtier.tiering_spec.tiers.fs_dirs import TierDirs
-from kvtier.tiering_spec.tiers.fs_index import FsCapacity, FsIndex
-from kvtier.tiering_spec.tiers.fs_scan import FsScanner, remove_tree
+from kvtier.tiering_spec.tiers.fs import format as fs_format
+from kvtier.tiering_spec.tiers.fs import io as fs_io
+from kvtier.tiering_spec.tiers.fs.dirs import TierDirs
+from kvtier.tiering_spec.tiers.fs.index import FsCapacity, FsIndex
+from kvtier.tiering_spec.tiers.fs.scan import FsScanner, remove_tree
 
 logger = logging.getLogger("kvtier.tiering_spec")
 

@@ -55,7 +55,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from kvtier.tiering_spec.tiers import fs_format
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
     SecondaryTier,
@@ -64,6 +63,7 @@ from kvtier.tiering_spec.tiers.base import (
     TierStats,
     count_down,
 )
+from kvtier.tiering_spec.tiers.fs import format as fs_format
 
 logger = logging.getLogger("kvtier.tiering_spec")
 

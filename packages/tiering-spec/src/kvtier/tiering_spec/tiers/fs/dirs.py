@@ -30,7 +30,7 @@ from kvtier.tiering_spec.private_dirs import (
     make_private_dirs,
     refuse_unless_private,
 )
-from kvtier.tiering_spec.tiers.fs_format import FORMAT_DIR, NUM_SHARDS
+from kvtier.tiering_spec.tiers.fs.format import FORMAT_DIR, NUM_SHARDS
 
 
 def open_private_dir(name: str, dir_fd: int, path: str, key: str) -> int:

@@ -10,8 +10,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.tiering_spec.tiers import fs_format
-from kvtier.tiering_spec.tiers.fs_dirs import DIR_FLAGS, TierDirs
+from kvtier.tiering_spec.tiers.fs import format as fs_format
+from kvtier.tiering_spec.tiers.fs.dirs import DIR_FLAGS, TierDirs
 
 # Temporary files older than this are a crashed write's: removed at start-up.
 STALE_TMP_S = 3600.0
