@@ -1,0 +1,76 @@
+"""The connector's reads of vLLM's objects: each field read where it is, and what a
+release without it answers."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.vllm_port import connector_reads as reads
+
+
+def test_the_load_failure_policy_is_set_to_recompute_once() -> None:
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_load_failure_policy="fail"))
+    assert reads.kv_load_failure_policy(config) == "fail"
+    assert reads.recompute_failed_loads(config) is True
+    assert reads.kv_load_failure_policy(config) == "recompute"
+    assert reads.recompute_failed_loads(config) is False, "already recompute: unchanged"
+
+
+def test_a_release_without_the_policy_gets_it_set() -> None:
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace())
+    assert reads.kv_load_failure_policy(config) is None
+    assert reads.recompute_failed_loads(config) is True
+    assert config.kv_transfer_config.kv_load_failure_policy == "recompute"
+
+
+def test_no_transfer_config_is_left_alone() -> None:
+    config = SimpleNamespace(kv_transfer_config=None)
+    assert reads.kv_load_failure_policy(config) is None
+    assert reads.recompute_failed_loads(config) is False
+    assert reads.kv_load_failure_policy(SimpleNamespace()) is None
+
+
+def test_missing_fields_read_as_a_release_without_them() -> None:
+    bare = SimpleNamespace()
+    assert reads.additional_config(bare) is None
+    assert reads.resumed_req_ids(bare) == set()
+    assert reads.resumed_req_ids(SimpleNamespace(resumed_req_ids=None)) == set()
+    assert reads.block_hashes(bare) == []
+    assert reads.block_hashes(SimpleNamespace(block_hashes=None)) == []
+    assert reads.worker_meta(bare) is None
+    assert reads.num_gpu_blocks(bare) is None
+
+
+def test_present_fields_are_read() -> None:
+    extra = {"recompute_scheduler_enable": True}
+    assert reads.additional_config(SimpleNamespace(additional_config=extra)) is extra
+    assert reads.resumed_req_ids(SimpleNamespace(resumed_req_ids={"a"})) == {"a"}
+    assert reads.block_hashes(SimpleNamespace(block_hashes=(b"x", b"y"))) == [b"x", b"y"]
+    meta = object()
+    assert reads.worker_meta(SimpleNamespace(kv_connector_worker_meta=meta)) is meta
+    assert reads.num_gpu_blocks(SimpleNamespace(num_gpu_blocks=17)) == 17
+
+
+def test_the_fields_are_vllms_where_this_release_has_them() -> None:
+    """The names read are vLLM's own (on the installed release, where it has them)."""
+    pytest.importorskip("vllm")
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.v1.core.sched.output import CachedRequestData
+    from vllm.v1.outputs import KVConnectorOutput
+
+    def fields(cls: type) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    assert "additional_config" in fields(VllmConfig)
+    if "kv_load_failure_policy" in fields(KVTransferConfig):
+        assert KVTransferConfig(kv_connector="x", kv_role="kv_both").kv_load_failure_policy in (
+            "recompute",
+            "fail",
+        )
+    if "resumed_req_ids" in fields(CachedRequestData):
+        assert reads.resumed_req_ids(CachedRequestData.make_empty()) == set()
+    if "kv_connector_worker_meta" in fields(KVConnectorOutput):
+        assert reads.worker_meta(KVConnectorOutput()) is None
