@@ -157,7 +157,7 @@ MOONCAKE = {
 
 
 def test_a_mooncake_tier_validates_with_defaults(tmp_path: Path) -> None:
-    from kvtier.tiering_spec.config import MooncakeTierConfig
+    from kvtier.tiering_spec.tiers.store.schema import MooncakeTierConfig
 
     cfg = parse_config({**BASE, "secondary_tiers": [fs(tmp_path), MOONCAKE]}, tiering=True)
     _, store = cfg.secondary_tiers
@@ -195,8 +195,8 @@ def test_a_mooncake_tier_without_a_master_says_it_is_required() -> None:
 def test_a_mooncake_tier_without_mooncakes_client_names_the_package(monkeypatch) -> None:
     import builtins
 
-    from kvtier.tiering_spec.config import parse_mooncake_tier
-    from kvtier.tiering_spec.tiers import registry
+    from kvtier.tiering_spec.tiers.store import schema
+    from kvtier.tiering_spec.tiers.store.schema import parse_mooncake_tier
 
     real = builtins.__import__
 
@@ -206,7 +206,7 @@ def test_a_mooncake_tier_without_mooncakes_client_names_the_package(monkeypatch)
         return real(name, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(builtins, "__import__", no_mooncake)
-    monkeypatch.setattr(registry.importlib, "import_module", lambda name: no_mooncake(name))
+    monkeypatch.setattr(schema.importlib, "import_module", lambda name: no_mooncake(name))
     cfg = parse_mooncake_tier(MOONCAKE, "secondary_tiers[0]")
     with pytest.raises(ConfigError, match=r"mooncake-transfer-engine-non-cuda"):
-        registry.mooncake_connector(cfg, "secondary_tiers[0]")
+        schema.mooncake_connector(cfg, "secondary_tiers[0]")

@@ -45,7 +45,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvtier.tiering_spec.auth import load_auth_key
-from kvtier.tiering_spec.config import ConfigError, FsTierConfig
+from kvtier.tiering_spec.errors import ConfigError
+from kvtier.tiering_spec.tier_config import TierConfig
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
     SecondaryTier,
@@ -97,7 +98,7 @@ class FileSystemTier(SecondaryTier):
 
     def __init__(
         self,
-        cfg: FsTierConfig,
+        cfg: TierConfig,
         layouts: Sequence[Mapping[str, Any]],
         payload_bytes: int,
         region_views: Callable[[], Sequence[memoryview] | None],
