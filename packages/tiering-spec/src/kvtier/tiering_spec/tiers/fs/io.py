@@ -74,6 +74,19 @@ def free_bytes(dir_fd: int) -> int:
     return int(st.f_bavail) * int(st.f_frsize)
 
 
+def write_small_file(dir_fd: int, name: str, text: str) -> None:
+    """Write ``text`` as file ``name`` of folder ``dir_fd``, through a temporary name
+    (this process's) and a rename."""
+    tmp = f"{name}{fs_format.TMP_PREFIX}{os.getpid()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
 def write_and_rename(
     folder: int,
     tmp: str,

@@ -32,12 +32,9 @@ Units: bytes, unless a name says blocks.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import mmap
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -57,9 +54,12 @@ from kvtier.tiering_spec.tiers.base import (
 )
 from kvtier.tiering_spec.tiers.fs import format as fs_format
 from kvtier.tiering_spec.tiers.fs import io as fs_io
+from kvtier.tiering_spec.tiers.fs.capacity import DEFAULT_FREE_FRACTION, TierCapacity
 from kvtier.tiering_spec.tiers.fs.dirs import TierDirs
 from kvtier.tiering_spec.tiers.fs.index import FsCapacity, FsIndex
+from kvtier.tiering_spec.tiers.fs.pool import IoThreads
 from kvtier.tiering_spec.tiers.fs.scan import FsScanner, remove_tree
+from kvtier.tiering_spec.tiers.fs.tasks import BlockFileTasks
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -70,15 +70,13 @@ _REMOVED_FAULTS = (
     TierFault.FOREIGN,
     TierFault.UNAUTHENTICATED,
 )
-# Without capacity_bytes the tier may fill this share of the free space it found.
-DEFAULT_FREE_FRACTION = 0.5
 # How often the background thread looks for files written by other engines.
 DISCOVER_INTERVAL_S = 1.0
 # How long shutdown waits for I/O threads (a hung mount must not hang the engine).
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
-class FileSystemTier(SecondaryTier):
+class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
     """One fs tier for one engine: an index of the files it may read, and its I/O threads.
 
     Args:
@@ -114,19 +112,14 @@ class FileSystemTier(SecondaryTier):
         self.cfg = cfg
         self.name = name
         self.ephemeral = ephemeral
+        self.enable_events = enable_events
         self.payload_bytes = payload_bytes
         self.file_bytes = fs_format.HEADER_SIZE + payload_bytes
         self.world_size = len(layouts)
         self.entry_bytes = self.file_bytes * self.world_size
         self._capacity = FsCapacity(cfg.capacity_bytes, self.entry_bytes, cfg.n_write_threads)
         self.capacity_is_default = cfg.capacity_bytes is None
-        if self.capacity_bytes is not None and self.capacity_bytes < self.entry_bytes:
-            raise ConfigError(
-                f"capacity_bytes={self.capacity_bytes} of fs tier {name!r} cannot hold one "
-                f"entry: {self.entry_bytes} bytes ({self.world_size} rank file(s) of a "
-                f"{fs_format.HEADER_SIZE}-byte header plus a {payload_bytes}-byte chunk); "
-                f"allowed: at least {self.entry_bytes}"
-            )
+        self._check_capacity()
         self._region_views = region_views
         self._views: Sequence[memoryview] | None = None
         # A shared secret: every file carries a keyed MAC, checked on every read. For a
@@ -137,10 +130,32 @@ class FileSystemTier(SecondaryTier):
             if cfg.auth_key_file is None
             else load_auth_key(cfg.auth_key_file, f"fs tier {name!r} auth_key_file")
         )
+        self._open_folders(layouts)
+        self._free_at_start = fs_io.free_bytes(self.fsdirs.root)
+        if self.capacity_is_default:
+            self._capacity.reset(self._default_capacity(0))
+        self._free_seen: int | None = None
+        self._init_state()
+        self._io = IoThreads(cfg.n_read_threads, cfg.n_write_threads)
+        self._start_scan()
+        self._log_start()
+
+    def _check_capacity(self) -> None:
+        """Refuse a ``capacity_bytes`` below one entry (before any folder is made)."""
+        if self.capacity_bytes is not None and self.capacity_bytes < self.entry_bytes:
+            raise ConfigError(
+                f"capacity_bytes={self.capacity_bytes} of fs tier {self.name!r} cannot hold "
+                f"one entry: {self.entry_bytes} bytes ({self.world_size} rank file(s) of a "
+                f"{fs_format.HEADER_SIZE}-byte header plus a {self.payload_bytes}-byte "
+                f"chunk); allowed: at least {self.entry_bytes}"
+            )
+
+    def _open_folders(self, layouts: Sequence[Mapping[str, Any]]) -> None:
+        """Check the folders and hold them open (files are reached only relative to
+        these descriptors from here on), write each rank's ``layout.json``, and see
+        whether the filesystem takes O_DIRECT."""
         self.fingerprints = [fs_format.layout_fingerprint(layout) for layout in layouts]
-        # Every folder is checked and held open from here on; files are reached only
-        # relative to these descriptors.
-        self.fsdirs = TierDirs(cfg.root_dir, [fp.hex() for fp in self.fingerprints], "fs tier")
+        self.fsdirs = TierDirs(self.cfg.root_dir, [fp.hex() for fp in self.fingerprints], "fs tier")
         self.dirs = [self.fsdirs.fingerprint_path(rank) for rank in range(self.world_size)]
         for rank, layout in enumerate(layouts):
             fp_fd = self.fsdirs.fingerprint(rank)
@@ -148,20 +163,18 @@ class FileSystemTier(SecondaryTier):
                 os.stat("layout.json", dir_fd=fp_fd, follow_symlinks=False)
             except FileNotFoundError:
                 text = json.dumps(dict(layout), indent=2, sort_keys=True)
-                self._write_small_file(fp_fd, "layout.json", text)
+                fs_io.write_small_file(fp_fd, "layout.json", text)
         self.direct = fs_io.probe_o_direct(self.dirs[0], dir_fd=self.fsdirs.fingerprint(0))
-        self._free_at_start = fs_io.free_bytes(self.fsdirs.root)
-        if self.capacity_is_default:
-            self._capacity.reset(self._default_capacity(0))
-        # Free bytes seen by the last write that found the disk full, and by the
-        # background thread while the capacity is lowered (None: not looked).
-        self._free_seen: int | None = None
-        self.enable_events = enable_events
+
+    def _init_state(self) -> None:
+        """The scheduler thread's bookkeeping: the index, what is in flight, faults."""
         self._events: list[tuple[bool, list[bytes]]] = []
         # The files this engine may read, their bytes and the writes' in flight, and
         # the policy that picks which go first (sized for the target capacity).
         self._index = FsIndex(
-            self.entry_bytes, cfg.eviction_policy, (self.capacity_bytes or 0) // self.entry_bytes
+            self.entry_bytes,
+            self.cfg.eviction_policy,
+            (self.capacity_bytes or 0) // self.entry_bytes,
         )
         self._reading: dict[bytes, int] = {}
         self._writing: set[bytes] = set()
@@ -173,41 +186,28 @@ class FileSystemTier(SecondaryTier):
         self._faults: dict[str, int] = dict.fromkeys(map(str, FAULT_KINDS), 0)
         self._fault_logged: set[str] = set()
         self.stats = TierStats()
-        self._local = threading.local()
-        self._tmp_counter = 0
-        self._tmp_lock = threading.Lock()
-        # Plain threads on C queues: a job costs one put and one get, no future objects.
-        self._readers: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._writers: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(
-                target=self._serve, args=(q,), name=f"kvtier-fs-{kind}-{i}", daemon=True
-            )
-            for q, kind, n in (
-                (self._readers, "read", cfg.n_read_threads),
-                (self._writers, "write", cfg.n_write_threads),
-            )
-            for i in range(n)
-        ]
-        for t in self._threads:
-            t.start()
         self._closed = False
         self.stuck = False
         self._retried: set[bytes] = set()
-        # The start-up scan runs on a thread of its own; poll() takes in what it found.
+
+    def _start_scan(self) -> None:
+        """Start the thread of the start-up scan and of the look for files other engines
+        write; ``poll`` takes in what it found."""
         self._scan_result: list[Any] = []
         self.scan_done = threading.Event()
         self._stop = threading.Event()
-        # The folders on disk: the start-up scan, and files other engines write.
         self._disk = FsScanner(self.fsdirs, self.world_size, self.file_bytes, self.fingerprints)
         self._scanner = threading.Thread(
             target=self._scan_in_background, name="kvtier-fs-scan", daemon=True
         )
         self._scanner.start()
+
+    def _log_start(self) -> None:
+        cfg = self.cfg
         logger.info(
             "kvtier fs tier %r at %s: %s I/O, %d read / %d write threads, capacity %s, "
             "fingerprint(s) %s; %s; files of earlier runs are indexed in the background",
-            name,
+            self.name,
             cfg.root_dir,
             "O_DIRECT" if self.direct else "buffered (O_DIRECT refused by the filesystem)",
             cfg.n_read_threads,
@@ -225,23 +225,7 @@ class FileSystemTier(SecondaryTier):
             else "files loaded only if this OS user owns them",
         )
 
-    def _default_capacity(self, held: int) -> int:
-        """Half the free space at start plus what this tier's files already hold, at
-        least one entry."""
-        return max(self.entry_bytes, int(DEFAULT_FREE_FRACTION * (self._free_at_start + held)))
-
     # ----------------------------------------------------------------- start-up
-
-    @staticmethod
-    def _write_small_file(dir_fd: int, name: str, text: str) -> None:
-        tmp = f"{name}{fs_format.TMP_PREFIX}{os.getpid()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
-        try:
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
     def _scan_in_background(self) -> None:
         try:
@@ -323,11 +307,6 @@ class FileSystemTier(SecondaryTier):
         shard, name = fs_format.file_name(digest)
         return [os.path.join(d, shard, name) for d in self.dirs]
 
-    def _where(self, digest: bytes) -> tuple[int, str]:
-        """(shard, file name) of a key digest."""
-        shard, name = fs_format.file_name(digest)
-        return int(shard, 16), name
-
     def _views_now(self) -> Sequence[memoryview] | None:
         if self._views is None:
             self._views = self._region_views()
@@ -352,68 +331,34 @@ class FileSystemTier(SecondaryTier):
     def used_bytes(self) -> int:
         return self._index.used
 
-    # ----------------------------------------------------------------- capacity
-
-    def _make_room(
-        self, nbytes: int, protect: bytes | None = None, *, reuse: bool = False
-    ) -> tuple[bool, bytes | None]:
-        """Evict the entries the policy picks (never ones being read) until ``nbytes``
-        more fit. Returns (whether they fit, evicting nothing more when they cannot;
-        with ``reuse``, one evicted entry whose files the caller's write takes over
-        instead of creating new ones, or None). A reused digest stays in
-        ``_unlinking`` until that write is polled."""
-        reading = self._reading
-        evicted = self._index.make_room(
-            nbytes, self.capacity_bytes, lambda digest: digest in reading or digest == protect
-        )
-        if evicted is None:
-            return False, None
-        removed_keys: list[bytes] = []
-        reused: bytes | None = None
-        for digest, entry in evicted:
-            self.stats.evictions += 1
-            if entry.key is not None:
-                removed_keys.append(entry.key)
-            if reuse and reused is None and entry.nbytes == self.entry_bytes:
-                reused = digest
-                self._unlinking[digest] = self._unlinking.get(digest, 0) + 1
-            else:
-                self._unlink(digest)
-        if removed_keys and self.enable_events:
-            self._events.append((True, removed_keys))
-        return True, reused
-
-    def _forget(self, digest: bytes, key: bytes | None, unlink: bool) -> None:
-        entry = self._index.remove(digest)
-        if entry is not None and self.enable_events and (entry.key or key):
-            self._events.append((True, [entry.key or key]))  # type: ignore[list-item]
-        if unlink:
-            self._unlink(digest)
-
     def _unlink(self, digest: bytes) -> None:
         # A digest being unlinked is neither written nor discovered until the unlink
         # ran, so the unlink cannot remove a newer file of the same name.
         self._unlinking[digest] = self._unlinking.get(digest, 0) + 1
-        self._submit(self._writers, self._unlink_task, digest)
+        self._submit("write", self._unlink_task, digest)
 
     def _unlinked(self, digest: bytes) -> None:
         count_down(self._unlinking, digest)
 
     # ----------------------------------------------------------------- jobs
 
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue[Any]) -> None:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            job[0](*job[1])
-
-    def _submit(self, jobs: queue.SimpleQueue[Any], fn: Callable[..., Any], *args: Any) -> None:
+    def _submit(self, kind: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on a ``kind`` ("read" or "write") I/O thread; its result
+        comes back through ``_results``."""
         if self._closed:
             return
         self._inflight += 1
-        jobs.put((fn, args))
+        self._io.put(kind, fn, *args)
+
+    def _start_write(
+        self,
+        key: bytes,
+        digest: bytes,
+        block_id: int,
+        views: Sequence[memoryview],
+        reuse: bytes | None = None,
+    ) -> None:
+        self._submit("write", self._write_task, key, digest, block_id, views, reuse)
 
     def submit_write(self, key: bytes, digest: bytes, block_id: int) -> bool:
         """Write host block ``block_id`` (all ranks) as ``key``. False if not submitted:
@@ -437,15 +382,7 @@ class FileSystemTier(SecondaryTier):
         self._writing.add(digest)
         if reuse is not None:
             self._reusing[digest] = reuse
-        self._submit(
-            self._writers,
-            self._write_task,
-            key,
-            digest,
-            block_id,
-            views,
-            reuse,
-        )
+        self._start_write(key, digest, block_id, views, reuse)
         return True
 
     def submit_read(self, key: bytes, digest: bytes, block_id: int) -> bool:
@@ -457,7 +394,7 @@ class FileSystemTier(SecondaryTier):
             return False
         self._reading[digest] = self._reading.get(digest, 0) + 1
         self._index.touch([digest])
-        self._submit(self._readers, self._read_task, key, digest, block_id, views)
+        self._submit("read", self._read_task, key, digest, block_id, views)
         return True
 
     def poll(self) -> list[TierResult]:
@@ -507,64 +444,6 @@ class FileSystemTier(SecondaryTier):
         self.stats.entries = len(self._index)
         return out
 
-    def _retry_on_full_disk(self, res: TierResult, digest: bytes) -> bool:
-        """The disk filled up before the tier's capacity did: hold no more than this
-        tier's files plus what the disk shows free (never less than ``FsCapacity.floor``;
-        logged), evict least recently used entries down to that, and write once more.
-        The capacity grows back as the disk shows room again (:meth:`_regrow`). False
-        (not retried) for a second failure of the same write, or when no room can be
-        made."""
-        if digest in self._retried or self._closed or self._views is None:
-            self._retried.discard(digest)
-            return False
-        free = self._free_seen or 0
-        before = self.capacity_bytes
-        if self._capacity.lower_for_full_disk(self._index.used, free):
-            logger.warning(
-                "kvtier fs tier %r: the disk is full (%d bytes free) with %d bytes of this "
-                "tier's files; capacity lowered from %s to %d bytes until the disk shows "
-                "room again, least recently used files evicted",
-                self.name,
-                free,
-                self._index.used,
-                before,
-                self.capacity_bytes,
-            )
-        if not self._make_room(self.entry_bytes)[0]:
-            return False
-        self._fault(TierFault.DISK_FULL, res)
-        self._retried.add(digest)
-        self._writing.add(digest)
-        self._index.reserved += self.entry_bytes
-        self._submit(self._writers, self._write_task, res.key, digest, res.block_id, self._views)
-        return True
-
-    def _regrow(self) -> None:
-        """After a full disk: raise the capacity toward its target as far as the room the
-        background thread last saw allows (scheduler thread)."""
-        free, self._free_seen = self._free_seen or 0, None
-        before = self.capacity_bytes
-        if self._capacity.regrow(self._index.used, self._index.reserved, free):
-            logger.info(
-                "kvtier fs tier %r: the disk shows %d bytes free again; capacity raised from "
-                "%s to %s bytes (target %s)",
-                self.name,
-                free,
-                before,
-                self.capacity_bytes,
-                self.target_capacity,
-            )
-
-    @property
-    def capacity_bytes(self) -> int | None:
-        """The bytes of files the tier may hold now (None: no bound)."""
-        return self._capacity.current
-
-    @property
-    def target_capacity(self) -> int | None:
-        """What ``capacity_bytes`` returns to after a full disk lowered it."""
-        return self._capacity.target
-
     def _fault(self, kind: TierFault, res: TierResult) -> None:
         self._faults[kind] = self._faults.get(kind, 0) + 1
         if kind not in self._fault_logged:
@@ -600,12 +479,7 @@ class FileSystemTier(SecondaryTier):
             return not self.stuck
         self._closed = True
         self._stop.set()
-        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-        for t in self._threads:
-            (self._readers if "read" in t.name else self._writers).put(None)
-        for t in [self._scanner, *self._threads]:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in self._threads if t.is_alive()]
+        stuck = self._io.stop(time.monotonic() + SHUTDOWN_TIMEOUT_S, also=self._scanner)
         self.poll()
         if stuck:
             self.stuck = True
@@ -617,212 +491,3 @@ class FileSystemTier(SecondaryTier):
         if not stuck:  # a thread still in a call may yet use the descriptors
             self.fsdirs.close()
         return not stuck
-
-    # ----------------------------------------------------------------- I/O threads
-
-    def _thread_buffer(self, name: str, size: int) -> mmap.mmap:
-        """This I/O thread's own scratch buffer ``name``: page aligned (for O_DIRECT)
-        and zero filled when made."""
-        buf = getattr(self._local, name, None)
-        if buf is None:
-            buf = mmap.mmap(-1, size)
-            setattr(self._local, name, buf)
-        return buf
-
-    def _payload(self, views: Sequence[memoryview], rank: int, block_id: int) -> memoryview:
-        start = block_id * self.payload_bytes
-        return views[rank][start : start + self.payload_bytes]
-
-    def _tmp_name(self) -> str:
-        with self._tmp_lock:
-            self._tmp_counter += 1
-            n = self._tmp_counter
-        return f"{fs_format.TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{n}"
-
-    def _write_task(
-        self,
-        key: bytes,
-        digest: bytes,
-        block_id: int,
-        views: Sequence[memoryview],
-        reuse: bytes | None = None,
-    ) -> None:
-        t0 = time.perf_counter()
-        shard, name = self._where(digest)
-        done: list[int] = []
-        # Evicted files not taken over (one found changed, or a write failed first)
-        # are removed; a taken-over one no longer has its name.
-        leftover = list(range(self.world_size)) if reuse is not None else []
-        fault: TierFault | None = None
-        try:
-            for rank in range(self.world_size):
-                tmp = self._tmp_name()
-                fd = None
-                if reuse is not None:
-                    fd = self._take_over(rank, reuse, shard, tmp)
-                    if fd is not None:
-                        leftover.remove(rank)
-                payload = self._payload(views, rank, block_id)
-                fp = self.fingerprints[rank]
-                self._write_file(rank, shard, name, tmp, fd, fp, digest, payload)
-                done.append(rank)
-        except OSError as exc:
-            fault = (
-                TierFault.DISK_FULL
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                else TierFault.WRITE_FAILED
-            )
-            if fault == TierFault.DISK_FULL:
-                self._free_seen = fs_io.free_bytes(self.fsdirs.root)
-        except Exception:
-            fault = TierFault.WRITE_FAILED
-        if fault is not None:
-            self._remove(shard, name, done)
-        else:
-            self._disk.note_own_change(shard, digest, True)
-        if reuse is not None:
-            old_shard, old_name = self._where(reuse)
-            self._remove(old_shard, old_name, leftover)
-            self._disk.note_own_change(old_shard, reuse, False)
-        self._finish("write", key, digest, block_id, fault, t0)
-
-    def _finish(
-        self, op: str, key: bytes, digest: bytes, block_id: int, fault: TierFault | None, t0: float
-    ) -> None:
-        """Hand a finished read or write (begun at ``t0``) to the next ``poll``."""
-        ok = fault is None
-        self._results.append(
-            TierResult(
-                op,
-                key,
-                block_id,
-                ok,
-                fault,
-                self.entry_bytes if ok else 0,
-                time.perf_counter() - t0,
-                digest,
-            )
-        )
-
-    def _remove(self, shard: int, name: str, ranks: Iterable[int]) -> None:
-        for rank in ranks:
-            try:
-                os.unlink(name, dir_fd=self.fsdirs.shard(rank, shard))
-            except OSError:
-                pass
-
-    def _take_over(self, rank: int, old: bytes, shard: int, tmp: str) -> int | None:
-        """The evicted block file of digest ``old``, renamed to ``tmp`` in ``shard`` and
-        open for writing (``fs_io.take_over``), or None."""
-        old_shard, old_name = self._where(old)
-        src, dst = self.fsdirs.shard(rank, old_shard), self.fsdirs.shard(rank, shard)
-        fd = fs_io.take_over(src, old_name, dst, tmp, self.file_bytes, self.direct)
-        if fd is not None:
-            self.stats.files_reused += 1
-        return fd
-
-    def _write_file(
-        self,
-        rank: int,
-        shard: int,
-        name: str,
-        tmp: str,
-        fd: int | None,
-        fingerprint: bytes,
-        digest: bytes,
-        payload: memoryview,
-    ) -> None:
-        """Write one block file to ``tmp`` (a new file, or the taken-over one open as
-        ``fd``), then rename it to ``name``; both in the rank's held shard folder."""
-        if fd is None:
-            fd = self._create(rank, shard, tmp, self.direct)
-        hdr = self._thread_buffer("hdr", fs_format.HEADER_SIZE)
-        folder = self.fsdirs.shard(rank, shard)
-        fs_io.write_and_rename(
-            folder, tmp, name, fd, hdr, fingerprint, digest, payload, self._key, self.direct
-        )
-
-    def _create(self, rank: int, shard: int, tmp: str, direct: bool) -> int:
-        """A new file ``tmp`` in the rank's shard folder; a folder removed while the
-        engine ran is made again first (from its held parent, checked again)."""
-        flags = (
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (fs_io.O_DIRECT if direct else 0)
-        )
-        try:
-            return os.open(tmp, flags, 0o600, dir_fd=self.fsdirs.shard(rank, shard))
-        except FileNotFoundError:
-            try:
-                revived = self.fsdirs.revive(rank, shard)
-            except ConfigError as exc:
-                if "revive" not in self._fault_logged:
-                    self._fault_logged.add("revive")
-                    logger.warning(
-                        "kvtier fs tier %r: a folder removed while the engine ran cannot be "
-                        "made again (%s); writes there fail and are recomputed",
-                        self.name,
-                        exc,
-                    )
-                raise OSError(errno.EACCES, str(exc)) from None
-            if not revived:
-                raise
-            self.stats.folders_recreated += 1
-            return os.open(tmp, flags, 0o600, dir_fd=self.fsdirs.shard(rank, shard))
-
-    def _read_task(
-        self, key: bytes, digest: bytes, block_id: int, views: Sequence[memoryview]
-    ) -> None:
-        t0 = time.perf_counter()
-        fault: TierFault | None = None
-        shard, name = self._where(digest)
-        try:
-            for rank in range(self.world_size):
-                self._read_file(
-                    rank,
-                    shard,
-                    name,
-                    self.fingerprints[rank],
-                    digest,
-                    self._payload(views, rank, block_id),
-                )
-        except fs_format.FormatError as exc:
-            fault = exc.kind
-        except FileNotFoundError:
-            fault = TierFault.VANISHED
-        except OSError as exc:
-            # O_NOFOLLOW refuses a symlink planted under the block's name with ELOOP.
-            fault = TierFault.FOREIGN if exc.errno == errno.ELOOP else TierFault.UNREADABLE
-        except Exception:
-            fault = TierFault.UNREADABLE
-        self._finish("read", key, digest, block_id, fault, t0)
-
-    def _read_file(
-        self,
-        rank: int,
-        shard: int,
-        name: str,
-        fingerprint: bytes,
-        digest: bytes,
-        payload: memoryview,
-    ) -> None:
-        # A file longer than a block file reads into one page of slack.
-        fs_io.read_block(
-            self.fsdirs.shard(rank, shard),
-            name,
-            self._thread_buffer("hdr", fs_format.HEADER_SIZE),
-            self._thread_buffer("tail", fs_format.ALIGNMENT),
-            fingerprint,
-            digest,
-            payload,
-            self._key,
-            self.direct,
-        )
-
-    def _unlink_task(self, digest: bytes) -> None:
-        shard, name = self._where(digest)
-        for rank in range(self.world_size):
-            try:
-                os.unlink(name, dir_fd=self.fsdirs.shard(rank, shard))
-            except OSError:
-                pass
-        self._disk.note_own_change(shard, digest, False)
-        self._results.append(TierResult("unlink", digest, -1, True))
