@@ -21,15 +21,12 @@ from typing import Any
 from kvtier.blockpool import HostBlockPool
 from kvtier.blockpool.policies import ARCPolicy, LRUPolicy
 from kvtier.tiering_spec import vllm_compat as compat
+from kvtier.tiering_spec.build import SchedulerSide, build
 from kvtier.tiering_spec.config import parse_config
-from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
+from kvtier.tiering_spec.manager import TierManager
+from kvtier.tiering_spec.offload_facts import OffloadFacts
 from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
 from kvtier.tiering_spec.vllm_policy import VllmPolicyAdapter
-
-
-class _EventsConfig:
-    def __init__(self, enabled: bool) -> None:
-        self.enable_kv_cache_events = enabled
 
 
 def _vllm_policy_classes() -> dict[str, type]:
@@ -111,6 +108,10 @@ class _PolicyView:
     would (the keys' blocks are freed) and answers ``[(key, status), ...]``."""
 
     def __init__(self, inner: Any) -> None:
+        self.rebind(inner)
+
+    def rebind(self, inner: Any) -> None:
+        """Show ``inner`` (a new pool's policy, after a reset) from now on."""
         self.inner = inner
         self.name = inner.name
         self.pool: HostBlockPool | None = None  # set once the pool is built
@@ -212,49 +213,73 @@ def _policy_view(name: str, capacity: int) -> _PolicyView | None:
     return cls(inner_cls(capacity))  # type: ignore[no-any-return]
 
 
-class _ManagerSpec:
-    """What :class:`KvtierOffloadingManager` reads from its spec, for a host tier of
-    ``num_chunks`` chunks and the manager arguments vLLM's tests give."""
+# The unit chunk of the host tier the tests size by its number of chunks.
+_CHUNK = 4096
 
-    TIERING = False
-    no_loads_reason = None
-    lora_enabled = False
+
+class _HostTier:
+    """kvtier's host tier of ``num_chunks`` chunks, built by kvtier's composition root
+    from the manager arguments vLLM's tests give; for ``lru`` and ``arc``, its pool's
+    policy is behind a view of vLLM's surface (the same policy, the same calls)."""
 
     def __init__(self, num_chunks: int, extra: dict[str, Any], enable_events: bool) -> None:
-        # cpu_bytes_to_use is required by the config; the chunk count is given here.
-        self.settings = parse_config({"cpu_bytes_to_use": 1, **extra}, tiering=False)
-        self.num_chunks = num_chunks
+        settings = parse_config({"cpu_bytes_to_use": num_chunks * _CHUNK, **extra}, tiering=False)
+        facts = OffloadFacts(
+            engine_id="conformance",
+            model_name="conformance",
+            cache_dtype="auto",
+            groups=(),
+            blocks_per_chunk=1,
+            tokens_per_hash=16,
+            worker_kv_bytes_per_block=_CHUNK,
+            kv_events=enable_events,
+        )
+        self.offload = build(facts, settings, tiering=False, name="CPUOffloadingManager")
+        assert self.offload.sizing.num_chunks == num_chunks
         self._view: _PolicyView | None = None
-        self.kv_events_config = _EventsConfig(enable_events)
 
     def new_pool(self) -> HostBlockPool:
-        """kvtier's pool as the spec builds it; for ``lru`` and ``arc``, with its policy
-        behind a view of vLLM's surface (the same policy, the same calls)."""
-        s = self.settings
+        """kvtier's pool as its build makes it, its policy behind the view."""
+        offload = self.offload
+        s = offload.settings
         view = None
         if s.cache_policy_module_path is None:
-            view = _policy_view(s.eviction_policy, self.num_chunks)
+            view = _policy_view(s.eviction_policy, offload.sizing.num_chunks)
         if view is not None and self._view is not None:
             # A reset: the pool is new, and so is its policy; the view the test holds
             # (vLLM's manager keeps one policy object) shows the new one.
-            self._view.__init__(view.inner)  # type: ignore[misc]
+            self._view.rebind(view.inner)
             view = self._view
         self._view = view
         if view is None:
-            return _KvtierSpec.new_pool(self)  # type: ignore[arg-type]
+            return offload.new_pool()
         pool = HostBlockPool(
-            self.num_chunks, policy=view, enable_events=self.kv_events_config.enable_kv_cache_events
+            offload.sizing.num_chunks, policy=view, enable_events=offload.facts.kv_events
         )
         view.pool = pool
         return pool
 
-    def build_secondary_tiers(self) -> tuple[list[Any], None]:
-        return [], None
-
-    def config_info_row(self) -> dict[str, Any]:
-        # No spec sized this host tier: nothing to publish, as vLLM's manager built
-        # without its spec's info.
-        return {}
+    def scheduler_side(self) -> SchedulerSide:
+        """The manager's side: this host tier alone. No spec sized it for vLLM's info
+        metric, so it publishes no sizing (as vLLM's manager built without its spec)."""
+        s = self.offload.settings
+        core = TierManager(
+            self.new_pool(),
+            [],
+            store_threshold=s.store_threshold,
+            max_tracker_size=s.max_tracker_size,
+        )
+        return SchedulerSide(
+            core=core,
+            regions=None,
+            new_pool=self.new_pool,
+            tiering=False,
+            settings=s,
+            no_loads_reason=None,
+            lora_enabled=False,
+            info_row={},
+            facts=self.offload.facts,
+        )
 
 
 class CPUOffloadingManager(KvtierOffloadingManager):
@@ -276,7 +301,7 @@ class CPUOffloadingManager(KvtierOffloadingManager):
         }
         if cache_policy_module_path is not None:
             extra["cache_policy_module_path"] = cache_policy_module_path
-        super().__init__(_ManagerSpec(num_chunks, extra, enable_events))  # type: ignore[arg-type]
+        super().__init__(_HostTier(num_chunks, extra, enable_events).scheduler_side())
 
     @property
     def medium(self) -> Any:

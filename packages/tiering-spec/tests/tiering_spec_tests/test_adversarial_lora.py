@@ -67,7 +67,7 @@ class EngineStart:
         from kvtier.blockpool import HostRegion
         from kvtier.tiering_spec import TieringOffloadingSpec
         from kvtier.tiering_spec.connector import OffloadingConnector
-        from kvtier.tiering_spec.vllm_adapter import _region_name
+        from kvtier.tiering_spec.regions import region_name as _region_name
 
         from .vllm_configs import make_spec
 

@@ -520,8 +520,8 @@ def spec_fingerprint(
     )
     cache = root / fs_format.FORMAT_DIR / "weight-digests.json"
     cache.parent.mkdir(parents=True, exist_ok=True)
-    identity, persistent = tiering.engine_identity(str(cache))
-    layout = tiering._layouts(identity)[rank]
+    identity, persistent = tiering.offload.engine_identity(str(cache))
+    layout = tiering.offload.layouts(identity)[rank]
     return fs_format.layout_fingerprint(layout), layout, persistent
 
 

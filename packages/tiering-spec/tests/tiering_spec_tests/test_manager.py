@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvtier.blockpool import Hold, HostBlockPool
-from kvtier.tiering_spec import metrics
+from kvtier.tiering_spec import metrics, metrics_emitter
 from kvtier.tiering_spec.manager import FRESH_STEPS, Lookup, TierManager
 from kvtier.tiering_spec.tiers.base import FAULT_KINDS, TierStats
 from kvtier.tiering_spec.tiers.fs import format as fs_format
@@ -262,7 +262,7 @@ def test_every_emitted_metric_is_declared(make_tier) -> None:
     settle(mgr)
     for tiering in (False, True):
         declared = metrics.metric_table({}, tiering=tiering)
-        emitter = metrics.MetricsEmitter(mgr, tiering=tiering)
+        emitter = metrics_emitter.MetricsEmitter(mgr, tiering=tiering)
         for kind, name, _value, labels in emitter.collect():
             assert name in declared, f"{name} is emitted but not declared"
             assert declared[name][0] == kind, name
@@ -274,7 +274,9 @@ def test_tier_metrics_keep_their_fs_names_as_aliases(make_tier) -> None:
     had before are emitted beside them with the same values, for one more release
     (counters that did not move are emitted under neither name)."""
     mgr, tier = promote_a_corrupt_file(make_tier)
-    emitted = {(n, lab): v for _, n, v, lab in metrics.MetricsEmitter(mgr, tiering=True).collect()}
+    emitted = {
+        (n, lab): v for _, n, v, lab in metrics_emitter.MetricsEmitter(mgr, tiering=True).collect()
+    }
     declared = metrics.metric_table({}, tiering=True)
     for name, old in metrics.DEPRECATED_ALIASES.items():
         assert name in declared and old in declared
@@ -300,7 +302,7 @@ def test_a_store_that_finds_no_room_is_still_an_allocation_sample() -> None:
 
 def test_counters_are_emitted_as_increments() -> None:
     mgr = TierManager(HostBlockPool(2))
-    em = metrics.MetricsEmitter(mgr, tiering=False)
+    em = metrics_emitter.MetricsEmitter(mgr, tiering=False)
     mgr.lookup(b"a")
     first = {n: v for k, n, v, _ in em.collect() if k == "counter"}
     second = {n: v for k, n, v, _ in em.collect() if k == "counter"}
@@ -309,11 +311,11 @@ def test_counters_are_emitted_as_increments() -> None:
 
 def test_a_step_where_nothing_changed_emits_only_the_usage_gauges() -> None:
     mgr = TierManager(HostBlockPool(4))
-    em = metrics.MetricsEmitter(mgr, tiering=False)
+    em = metrics_emitter.MetricsEmitter(mgr, tiering=False)
     first = list(em.collect())
     assert {n for k, n, _, _ in first if k == "gauge"} >= {metrics.CPU_CACHE_USAGE_PERC}
     quiet = list(em.collect())
-    assert [n for _, n, _, _ in quiet] == list(metrics.ALWAYS_GAUGES), (
+    assert [n for _, n, _, _ in quiet] == list(metrics_emitter.ALWAYS_GAUGES), (
         "a step where nothing changed emits only vLLM's always-reported usage gauges"
     )
     mgr.prepare_store([b"a"])
@@ -356,7 +358,7 @@ def test_skipping_unchanged_steps_emits_what_computing_every_step_does() -> None
         every_row: bool, quiet_first: bool = False
     ) -> list[list[tuple[str, str, object, tuple[str, ...]]]]:
         mgr = TierManager(HostBlockPool(6), store_threshold=2)
-        em = metrics.MetricsEmitter(mgr, tiering=False)
+        em = metrics_emitter.MetricsEmitter(mgr, tiering=False)
         out = []
         for op, some, p in ops:
             random_step(mgr, op, some, p)
@@ -378,7 +380,9 @@ def test_skipping_unchanged_steps_emits_what_computing_every_step_does() -> None
     quiet = [
         rows
         for rows in full
-        if all(n in metrics.ALWAYS_GAUGES or n == metrics.STORES_SKIPPED for _, n, _, _ in rows)
+        if all(
+            n in metrics_emitter.ALWAYS_GAUGES or n == metrics.STORES_SKIPPED for _, n, _, _ in rows
+        )
     ]
     assert len(quiet) > 20, "some steps must change nothing"
     for step, (a, b) in enumerate(zip(quick, full)):
@@ -458,7 +462,7 @@ def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
     def run(direct: bool) -> list[dict[tuple[str, str, tuple[str, ...]], object]]:
         tier = CountingTier()
         mgr = TierManager(HostBlockPool(6), [tier] if tiering else [], store_threshold=2)
-        em = metrics.MetricsEmitter(mgr, tiering=tiering)
+        em = metrics_emitter.MetricsEmitter(mgr, tiering=tiering)
         out = []
         for op, some, p in ops:
             random_step(mgr, op, some, p, other_size=8)
@@ -481,7 +485,7 @@ def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
                     for name, value in gauges:
                         sink.set_gauge(name, value)
             else:
-                metrics.write_rows(em.collect(), sink)
+                metrics_emitter.write_rows(em.collect(), sink)
             out.append(sink.held)
         return out
 
@@ -512,12 +516,12 @@ def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
 def test_stores_skipped_is_emitted_only_with_a_filter_and_survives_a_reset() -> None:
     assert metrics.STORES_SKIPPED not in {
         n
-        for _, n, _, _ in metrics.MetricsEmitter(
+        for _, n, _, _ in metrics_emitter.MetricsEmitter(
             TierManager(HostBlockPool(2)), tiering=False
         ).collect()
     }, "stores_skipped emitted without store_threshold"
     mgr = TierManager(HostBlockPool(2), store_threshold=2)
-    em = metrics.MetricsEmitter(mgr, tiering=False)
+    em = metrics_emitter.MetricsEmitter(mgr, tiering=False)
     mgr.prepare_store([b"a", b"b"])
     first = {n: v for k, n, v, _ in em.collect() if k == "counter"}
     mgr.reset(HostBlockPool(2))
@@ -532,7 +536,9 @@ def test_usage_gauges_follow_the_excerpts_meanings() -> None:
     mgr.complete_store([b"b"])
     mgr.prepare_load([b"b"])  # 1 of 4 pinned by a load
     g = {
-        n: v for k, n, v, _ in metrics.MetricsEmitter(mgr, tiering=False).collect() if k == "gauge"
+        n: v
+        for k, n, v, _ in metrics_emitter.MetricsEmitter(mgr, tiering=False).collect()
+        if k == "gauge"
     }
     assert g[metrics.CPU_CACHE_WRITE_USAGE_PERC] == 0.25
     assert g[metrics.CPU_CACHE_READ_USAGE_PERC] == 0.25
@@ -825,7 +831,7 @@ def test_a_prefix_looked_up_in_one_call_holds_its_hits_from_its_first_promotion(
 
 def tier_rows(mgr: TierManager) -> RecordingSink:
     sink = RecordingSink()
-    metrics.write_rows(metrics.MetricsEmitter(mgr, tiering=True).collect(), sink)
+    metrics_emitter.write_rows(metrics_emitter.MetricsEmitter(mgr, tiering=True).collect(), sink)
     return sink
 
 
@@ -851,18 +857,18 @@ def test_store_latency_ema_follows_completed_writes(make_tier) -> None:
     region = Region(16)
     tier = make_tier(region)
     mgr = TierManager(HostBlockPool(16), [tier], max_write_backlog=64)
-    em = metrics.MetricsEmitter(mgr, tiering=True)
+    em = metrics_emitter.MetricsEmitter(mgr, tiering=True)
     lab = (tier.name,)
     for i in range(9):
         store(mgr, region, [bytes([i])])
     settle(mgr)
     sink = RecordingSink()
-    metrics.write_rows(em.collect(), sink)
+    metrics_emitter.write_rows(em.collect(), sink)
     assert sink.held[("gauge", metrics.STORE_LATENCY_EMA, lab)] == 0.0, "warm-up: 0"
     store(mgr, region, [b"\x09"])
     settle(mgr)
     sink = RecordingSink()
-    metrics.write_rows(em.collect(), sink)
+    metrics_emitter.write_rows(em.collect(), sink)
     ema = sink.held[("gauge", metrics.STORE_LATENCY_EMA, lab)]
     # The mean of the ten writes' seconds per MiB.
     flow_ema = mgr.flows[0].store_latency_ema
@@ -902,13 +908,13 @@ class AskingTier(CountingTier):
 def test_lookup_async_delay_runs_from_the_first_retry_to_the_answer() -> None:
     tier = AskingTier(asks=2)
     mgr = TierManager(HostBlockPool(2), [tier])  # type: ignore[list-item]
-    em = metrics.MetricsEmitter(mgr, tiering=True)
+    em = metrics_emitter.MetricsEmitter(mgr, tiering=True)
     start = time.perf_counter()
     assert mgr.lookup(b"a", "r1") is Lookup.HIT_PENDING
     time.sleep(0.02)
     assert mgr.lookup(b"a", "r1") is Lookup.HIT_PENDING
     sink = RecordingSink()
-    metrics.write_rows(em.collect(), sink)
+    metrics_emitter.write_rows(em.collect(), sink)
     assert ("histogram", metrics.LOOKUP_SYNC_DELAY, ("asking",)) not in sink.held, (
         "no answer yet: nothing observed"
     )
@@ -916,11 +922,11 @@ def test_lookup_async_delay_runs_from_the_first_retry_to_the_answer() -> None:
     assert mgr.lookup(b"a", "r1") is Lookup.MISS
     waited = time.perf_counter() - start
     sink = RecordingSink()
-    metrics.write_rows(em.collect(), sink)
+    metrics_emitter.write_rows(em.collect(), sink)
     (delay,) = sink.held[("histogram", metrics.LOOKUP_ASYNC_DELAY, ("asking",))]
     assert 0.04 <= delay <= waited
     assert len(sink.held[("histogram", metrics.LOOKUP_SYNC_DELAY, ("asking",))]) == 1
     # Taken once: the next collect holds none.
     sink = RecordingSink()
-    metrics.write_rows(em.collect(), sink)
+    metrics_emitter.write_rows(em.collect(), sink)
     assert not any(k[0] == "histogram" for k in sink.held)

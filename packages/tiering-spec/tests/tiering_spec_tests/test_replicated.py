@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from kvtier.tiering_spec import vllm_adapter, vllm_compat
+from kvtier.tiering_spec import build, regions, vllm_compat
 from kvtier.tiering_spec.vllm_adapter import (
     CPUOffloadingSpec,
-    KvtierOffloadingWorker,
     TieringOffloadingSpec,
 )
+from kvtier.tiering_spec.vllm_worker import KvtierOffloadingWorker
 
 from .vllm_configs import spec_without_engine
 
@@ -74,9 +74,9 @@ def test_one_rank_is_never_replicated() -> None:
 
 def test_the_fs_tier_gets_one_layout() -> None:
     one = spec(TieringOffloadingSpec)
-    layouts = one._layouts({"replicated_layout": True})
+    layouts = one.offload.layouts({"replicated_layout": True})
     assert layouts == [{"replicated_layout": True, "rank": 0}]
-    assert len(spec(TieringOffloadingSpec, replicated=False)._layouts({})) == 2
+    assert len(spec(TieringOffloadingSpec, replicated=False).offload.layouts({})) == 2
 
 
 @pytest.mark.parametrize("cls", [CPUOffloadingSpec, TieringOffloadingSpec])
@@ -85,9 +85,9 @@ def test_all_ranks_map_one_host_region_whichever_starts_first(cls: type) -> None
     rank0, rank1 = spec(cls, 0, engine_id=engine_id), spec(cls, 1, engine_id=engine_id)
     attached: list[Any] = []
     # Rank 1 first: it waits for rank 0's region instead of failing or making its own.
-    waiter = threading.Thread(target=lambda: attached.append(rank1._host_region()))
+    waiter = threading.Thread(target=lambda: attached.append(rank1.offload.host_region()))
     waiter.start()
-    created = rank0._host_region()
+    created = rank0.offload.host_region()
     waiter.join(timeout=30)
     try:
         assert attached, "rank 1 did not map rank 0's region"
@@ -97,7 +97,7 @@ def test_all_ranks_map_one_host_region_whichever_starts_first(cls: type) -> None
         attached[0].block(5).fill_(9)
         assert int(created.block(5)[0]) == 9, "the ranks do not share the bytes"
         if cls is TieringOffloadingSpec:
-            seen = rank0.attach_regions()
+            seen = rank0.offload.attach_regions()
             assert seen is not None and len(seen) == 1, "the scheduler maps the one copy"
             for r in seen:
                 r.close()
@@ -113,7 +113,7 @@ def test_a_sharded_layout_gives_each_rank_a_region_of_its_own(cls: type) -> None
     # tiering spec's is shared memory named by the rank, which its scheduler maps too).
     engine_id = f"unit-{uuid.uuid4().hex[:12]}"
     rank1 = spec(cls, 1, replicated=False, engine_id=engine_id)
-    region = rank1._host_region()
+    region = rank1.offload.host_region()
     try:
         if cls is TieringOffloadingSpec:
             assert region.owner and regions_of(engine_id) == [f"kvtier-tiering-{engine_id}-r1"]
@@ -128,18 +128,18 @@ def test_a_sharded_layout_gives_each_rank_a_region_of_its_own(cls: type) -> None
 def test_a_rank_waiting_for_rank_0_gives_up_with_a_clear_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(vllm_adapter, "REPLICA_WAIT_S", 0.2)
+    monkeypatch.setattr(regions, "REPLICA_WAIT_S", 0.2)
     lonely = spec(TieringOffloadingSpec, 1, engine_id=f"unit-{uuid.uuid4().hex[:12]}")
     with pytest.raises(RuntimeError, match=r"rank 1 waited 0\.2 s for rank 0"):
-        lonely._host_region()
+        lonely.offload.host_region()
 
 
 def test_cpu_spec_keeps_pinned_copies_per_rank_where_shared_memory_cannot_be_pinned(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     npu = SimpleNamespace(type="npu")
-    monkeypatch.setattr(vllm_adapter.torch.accelerator, "is_available", lambda: True)
-    monkeypatch.setattr(vllm_adapter.torch.accelerator, "current_accelerator", lambda: npu)
+    monkeypatch.setattr(build.torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(build.torch.accelerator, "current_accelerator", lambda: npu)
     kept = spec(CPUOffloadingSpec)
     assert not kept.replicated_layout, "every rank must store its own copy then"
     assert (kept.num_copies, kept.num_chunks) == (2, 4)

@@ -113,14 +113,13 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             lookups.sliding_window_scans(scheduler)  # (hybrid models' window groups)
             # Hits within the step's budget load before its forward pass (vLLM 0.33
             # does it itself; this is the same for 0.32).
-            spec = manager.spec
+            side = manager.side
             sync_loads.enable(
                 scheduler,
-                spec.settings.sync_load_budget_bytes,
-                int(getattr(spec.config, "worker_kv_bytes_per_block", 0) or 0),
+                side.settings.sync_load_budget_bytes,
+                side.facts.worker_kv_bytes_per_block,
             )
-            events = getattr(manager.spec, "kv_events_config", None)
-            self._kvtier_events = bool(getattr(events, "enable_kv_cache_events", True))
+            self._kvtier_events = side.facts.kv_events
             transfer = self._vllm_config.kv_transfer_config
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 logger.info(

@@ -198,6 +198,7 @@ def kvtier_manager(
     (default: ``policy`` where the fs tier knows it by name, else the tier's default)."""
     from kvtier.blockpool import HostRegion
     from kvtier.tiering_spec import vllm_adapter
+    from kvtier.tiering_spec.regions import region_name
     from kvtier.tiering_spec.tiers.fs.format import HEADER_SIZE
 
     extra: dict[str, Any] = {
@@ -227,7 +228,7 @@ def kvtier_manager(
             spec = vllm_adapter.TieringOffloadingSpec(_offloading_config(extra, engine_id))
             # The worker's shared host region, which the fs tier reads and writes.
             region = HostRegion.create_shared(
-                vllm_adapter._region_name(engine_id, 0), spec.num_chunks, spec.chunk_bytes
+                region_name(engine_id, 0), spec.num_chunks, spec.chunk_bytes
             )
         else:
             spec = vllm_adapter.CPUOffloadingSpec(_offloading_config(extra, engine_id))

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvtier.tiering_spec import metrics as m
+from kvtier.tiering_spec import metrics_payload as mp
 from kvtier.vllm_port.plugins import registry_of
 
 
@@ -50,25 +51,25 @@ def _kvtier_metric_table(vllm_config: Any) -> dict[str, m.MetricRow]:
 class KvtierOffloadingStats(KVConnectorStats):
     """vLLM's transfer records plus kvtier's metrics, as plain data."""
 
-    data: dict[str, Any] = field(default_factory=m.new_payload)
+    data: dict[str, Any] = field(default_factory=mp.new_payload)
 
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
 
     def reset(self) -> None:
-        self.data = m.new_payload()
+        self.data = mp.new_payload()
 
     def aggregate(self, other: Any) -> Any:
         if not other.is_empty():
-            m.merge_payload(self.data, other.data)
+            mp.merge_payload(self.data, other.data)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return m.reduce_payload(self.data)
+        return mp.reduce_payload(self.data)
 
     def is_empty(self) -> bool:
-        return m.payload_is_empty(self.data)
+        return mp.payload_is_empty(self.data)
 
     def __getitem__(self, key: str) -> Any:
         # vLLM 0.23's MultiConnector hands its children stats["data"].
@@ -119,7 +120,7 @@ class KvtierOffloadPromMetrics(OffloadPromMetrics):  # type: ignore[misc]
                 series = self._series.get((engine_idx, name, key))
                 if series is None:
                     engine_labels = self.per_engine_labelvalues[engine_idx]
-                    series = family.labels(*engine_labels, *m.label_values(key))
+                    series = family.labels(*engine_labels, *mp.label_values(key))
                     self._series[(engine_idx, name, key)] = series
                 if kind == "counter":
                     series.inc(value)
@@ -141,14 +142,14 @@ class OffloadingConnector(_VllmOffloadingConnector):  # type: ignore[misc,no-red
                 for op in ops:
                     size = op["op_size"] if isinstance(op, dict) else op.op_size
                     seconds = op["op_time"] if isinstance(op, dict) else op.op_time
-                    m.add_transfer(stats.data, kind, size, seconds)
+                    mp.add_transfer(stats.data, kind, size, seconds)
             # Every step, even empty: these releases ask the scheduler side for its
             # stats only in steps where a worker reported some.
             return stats
         collect = getattr(self.connector_scheduler.manager, "collect_metrics", None)
         for kind, name, value, labels in collect() if collect is not None else ():
             if kind != "counter" or value:
-                m.add_metric(stats.data, kind, name, value, labels)
+                mp.add_metric(stats.data, kind, name, value, labels)
         return None if stats.is_empty() else stats
 
     @classmethod

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -21,27 +21,11 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvtier.tiering_spec import metrics as m
 from kvtier.tiering_spec import vllm_compat as compat
-from kvtier.tiering_spec.manager import Lookup, TierManager
+from kvtier.tiering_spec.build import SchedulerSide
+from kvtier.tiering_spec.manager import Lookup
+from kvtier.tiering_spec.metrics_emitter import MetricsEmitter
 
 logger = logging.getLogger("kvtier.tiering_spec")
-
-
-class ManagerSpec(Protocol):
-    """What the manager reads of the spec that builds it (kvtier's specs in
-    ``vllm_adapter``; a test's stand-in)."""
-
-    TIERING: bool
-    no_loads_reason: str | None
-    lora_enabled: bool | None
-    settings: Any  # config.OffloadConfig
-    kv_events_config: Any
-    config: Any
-
-    def new_pool(self) -> Any: ...
-
-    def build_secondary_tiers(self) -> tuple[list[Any], Any]: ...
-
-    def config_info_row(self) -> dict[str, Any]: ...
 
 
 class _RequestReuse:
@@ -92,22 +76,16 @@ class KvtierOffloadingManager(OffloadingManager):
     shows LoRA off.
     """
 
-    def __init__(self, spec: ManagerSpec) -> None:
-        self.spec = spec
+    def __init__(self, side: SchedulerSide) -> None:
+        self.side = side
         # (request id, whether it has a LoRA adapter) of the request being added now.
         self._arriving: tuple[str, bool] | None = None
         self._logged: set[str] = set()
         self._pass_context: ReqContext | None = None
         self._pass_secondary = True
-        tiers, self._regions = spec.build_secondary_tiers()
-        s = spec.settings
-        self.core = TierManager(
-            spec.new_pool(),
-            tiers,
-            store_threshold=s.store_threshold,
-            max_tracker_size=s.max_tracker_size,
-        )
-        self._metrics = m.MetricsEmitter(self.core, tiering=spec.TIERING)
+        self.core = side.core
+        self._regions = side.regions
+        self._metrics = MetricsEmitter(self.core, tiering=side.tiering)
         self._hit_sources: dict[str, Any] = {}  # a tier's name -> vLLM's CacheHitSource
         self._failed_stores: list[list[OffloadKey]] = []  # for metadata-only removals
         self._resets = 0  # reset_cache calls: what a request noted before one is stale
@@ -115,14 +93,14 @@ class KvtierOffloadingManager(OffloadingManager):
     def config_info(self) -> list[dict[str, Any]]:
         """vLLM 0.33's info labels: the host tier's sizing; with secondary tiers, a row
         for each tier labelled as in the tiering metrics (``CPU``, then the tiers')."""
-        host = self.spec.config_info_row()
-        if not self.spec.TIERING:
+        host = self.side.info_row
+        if not self.side.tiering:
             return [host]
         label = m.TIER_LABEL
         return [{**host, label: m.HOST_TIER}] + [{label: t.name} for t in self.core.secondary_tiers]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        if self.spec.no_loads_reason is not None:
+        if self.side.no_loads_reason is not None:
             return compat.lookup_result(Lookup.MISS)
         return compat.lookup_result(
             self.core.lookup(key, req_context.req_id, secondary=self._pass_tiers(req_context))
@@ -131,7 +109,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def lookup_answers(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> Iterator[Any]:
         """:meth:`lookup` of each of ``keys``, lazily: one generator for a scan that stops
         where it has its answer (kvtier-vllm-port's sliding-window scan)."""
-        miss = self.spec.no_loads_reason is not None
+        miss = self.side.no_loads_reason is not None
         secondary = miss or self._pass_tiers(req_context)
         lookup, convert, req_id = self.core.lookup, compat.lookup_result, req_context.req_id
         for key in keys:
@@ -151,7 +129,7 @@ class KvtierOffloadingManager(OffloadingManager):
         """:meth:`lookup` of ``keys`` in order up to the first miss, in one call (see
         :mod:`kvtier.vllm_port.lookups`): how many keys lead up to it, and None when all
         are hits, else whether each is a hit (False: pending). Never "retry"."""
-        if self.spec.no_loads_reason is not None:
+        if self.side.no_loads_reason is not None:
             return 0, None
         return self.core.lookup_prefix(
             cast(Sequence[bytes], keys),
@@ -171,7 +149,7 @@ class KvtierOffloadingManager(OffloadingManager):
         mark = compat.PORT.request_state(req_context, _RequestTiers)
         if mark is not None:
             return mark.secondary
-        if self.spec.lora_enabled is False:
+        if self.side.lora_enabled is False:
             return True  # vLLM refuses LoRA requests when LoRA is off
         self._log_once(
             "unknown",
@@ -179,7 +157,7 @@ class KvtierOffloadingManager(OffloadingManager):
             "LoRA may be on (vLLM's config %s), so kvtier cannot tell whether its blocks "
             "were computed with an adapter: such requests use the host tier only, never "
             "the fs or mooncake tiers",
-            "enables it" if self.spec.lora_enabled else "was not found",
+            "enables it" if self.side.lora_enabled else "was not found",
         )
         return False
 
@@ -329,7 +307,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self._resets += 1
-        self.core.reset(self.spec.new_pool())
+        self.core.reset(self.side.new_pool())
 
     def collect_metrics(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         """(kind, name, value, label values) of kvtier's metrics since the last call."""
