@@ -16,6 +16,7 @@ from kvtier.blockpool.budget import (
     resolve_bytes_per_rank,
     round_up,
 )
+from kvtier.blockpool.holds import Hold
 from kvtier.blockpool.policies import (
     ARCPolicy,
     EvictionPolicy,
@@ -23,14 +24,8 @@ from kvtier.blockpool.policies import (
     LRUPolicy,
     make_policy,
 )
-from kvtier.blockpool.pool import (
-    ALLOCATION_BUCKETS,
-    CacheEvent,
-    Hold,
-    HostBlockPool,
-    PoolStats,
-    StorePlan,
-)
+from kvtier.blockpool.pool import HostBlockPool
+from kvtier.blockpool.records import ALLOCATION_BUCKETS, CacheEvent, PoolStats, StorePlan
 from kvtier.blockpool.region import (
     HostRegion,
     InsufficientHostMemoryError,

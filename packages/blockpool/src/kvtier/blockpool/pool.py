@@ -6,109 +6,57 @@ Every block is in exactly one state:
 * ``FREE``: in the allocator;
 * ``STORING``: given out by ``prepare_store``, its bytes are being written;
   not findable by ``lookup`` and never evicted until ``complete_store``;
-* ``CACHED``: holds the bytes of its key; evictable unless pinned;
+* ``CACHED``: holds the bytes of its key; evictable unless held;
 * ``OWNED``: held by a request (``allocate_owned``), outside the keyed cache.
 
-So ``free + storing + cached + owned == capacity`` at all times. A block is
-*pinned* while a transfer reads it (``prepare_load`` .. ``complete_load``, or
-``pin(..., write=False)``) or writes it (``STORING``, or ``pin(..., write=True)``);
-a pinned block is never evicted and never handed out again.
-
-A cached block can also be *held* for a named reason (``hold(keys, kind)`` ..
-``release(keys, kind)``, a :class:`Hold`): a device load, a secondary tier's write, a
-promotion waiting for its load, a lookup pass. A hold pins the block as a load does,
-and the pool counts holds per kind, so each reason's share of the pins can be told.
+So ``free + storing + cached + owned == capacity`` at all times. A block is *held*
+for a reason, a :class:`~kvtier.blockpool.holds.Hold` (a device load, a secondary
+tier's write, a promotion waiting for its load, a lookup pass, a timed-out tier
+read, a transfer of an owned block): by key (``hold(keys, kind)`` ..
+``release(keys, kind)``; vLLM's ``prepare_load`` .. ``complete_load`` is the same
+with no reason named) or by block id (``hold_blocks`` .. ``release_blocks``). A held
+block is never evicted and never handed out again; the pool counts holds per kind
+(``held``, ``PoolStats.holds``). :mod:`kvtier.blockpool.holds` keeps that
+bookkeeping.
 
 Keys are any hashable values (vLLM's block hashes are ``bytes``). Units: blocks.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Collection, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvtier.blockpool.allocator import RunAllocator
 from kvtier.blockpool.budget import require_positive_int
+from kvtier.blockpool.holds import Hold, PoolHolds
 from kvtier.blockpool.policies import (
     EvictionPolicy,
     FrecencyPolicy,
     finish_request,
     make_policy,
 )
+from kvtier.blockpool.records import (
+    ALLOCATION_BUCKETS,
+    FREE,
+    KEYED,
+    OWNED,
+    CacheEvent,
+    PoolStats,
+    StorePlan,
+)
 
-FREE, KEYED, OWNED = 0, 1, 2  # KEYED: storing or cached, told apart by the key maps
-
-# Upper bounds of the blocks-per-store histogram (powers of 4), then +Inf. A store of n
-# blocks falls in bucket ceil(log4(n)).
-ALLOCATION_BUCKETS: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
-
-
-class Hold(str, enum.Enum):
-    """Why a cached block is held (pinned: never evicted, never handed out again)."""
-
-    DEVICE_LOAD = "device_load"  # a device load reads it
-    TIER_WRITE = "tier_write"  # a secondary tier writes it out
-    PROMOTION = "promotion"  # read in from a secondary tier, kept until a device load
-    LOOKUP_PASS = "lookup_pass"  # found by a request's lookup, kept while it goes on
-
-    __hash__ = str.__hash__
-
-    def __str__(self) -> str:
-        return str(self.value)
+__all__ = [
+    "ALLOCATION_BUCKETS",
+    "CacheEvent",
+    "Hold",
+    "HostBlockPool",
+    "PoolStats",
+    "StorePlan",
+]
 
 
-class StorePlan(NamedTuple):
-    """What ``prepare_store`` decided.
-
-    Attributes:
-        keys: the keys to write, in request order (keys already present dropped).
-        block_ids: host block for each of ``keys``; write them, then ``complete_store(keys)``.
-        evicted: keys evicted to make room (their blocks are reused).
-    """
-
-    keys: list[Any]
-    block_ids: list[int]
-    evicted: list[Any]
-
-
-@dataclass(frozen=True)
-class CacheEvent:
-    """Keys that entered (``stored``) or left (``removed``) the keyed cache."""
-
-    kind: str  # "stored" | "removed"
-    keys: tuple[Any, ...]
-
-
-@dataclass
-class PoolStats:
-    """A snapshot of the pool. Fractions are of the pool's capacity in blocks."""
-
-    capacity: int
-    free: int
-    storing: int
-    cached: int
-    owned: int
-    read_pinned: int
-    write_pinned: int
-    allocation_histogram: list[int] = field(default_factory=list)
-    holds: dict[str, int] = field(default_factory=dict)  # holds by kind (Hold's value)
-
-    @property
-    def usage(self) -> float:
-        return (self.capacity - self.free) / self.capacity if self.capacity else 0.0
-
-    @property
-    def read_usage(self) -> float:
-        return self.read_pinned / self.capacity if self.capacity else 0.0
-
-    @property
-    def write_usage(self) -> float:
-        return self.write_pinned / self.capacity if self.capacity else 0.0
-
-
-class HostBlockPool:
+class HostBlockPool(PoolHolds):
     """A fixed set of ``num_blocks`` host blocks with a keyed cache and request-owned blocks.
 
     Args:
@@ -147,17 +95,9 @@ class HostBlockPool:
         self._num_storing = 0
         self._block_key: list[Any] = [None] * self.num_blocks
         self._state = bytearray(self.num_blocks)
-        # Pins: cached keys being read by loads (key -> count; absent = unpinned), and
-        # owned blocks pinned by transfers (block -> count). Only pinned entries are
-        # stored, so a pin count's size is the number of pinned blocks.
-        self._load_pins: dict[Any, int] = {}
-        self._owned_read_pins: dict[int, int] = {}
-        self._owned_write_pins: dict[int, int] = {}
+        self._init_holds()  # pins and holds, by key and by block (see PoolHolds)
         self._owned: dict[Hashable, list[int]] = {}
         self._num_owned = 0
-        # Holds by kind: key -> count, and each kind's total.
-        self._holds: dict[Hold, dict[Any, int]] = {kind: {} for kind in Hold}
-        self._hold_counts: dict[Hold, int] = dict.fromkeys(Hold, 0)
         self._histogram = [0] * (len(ALLOCATION_BUCKETS) + 1)
         self._events_on = bool(enable_events)
         self._events: list[CacheEvent] = []
@@ -223,10 +163,10 @@ class HostBlockPool:
 
     def _is_evictable(self, key: Hashable) -> bool:
         """Whether the policy may evict ``key`` now: cached (not storing) and not pinned."""
-        return self._keys[key] >= 0 and key not in self._load_pins
+        return self._keys[key] >= 0 and key not in self._pins
 
     def _evict(
-        self, n: int, request_keys: Sequence[Hashable] = ()
+        self, n: int, request_keys: Collection[Hashable] = ()
     ) -> tuple[list[Any], list[int]] | None:
         """Evict ``n`` unpinned cached keys, never one of ``request_keys``.
 
@@ -237,7 +177,7 @@ class HostBlockPool:
         protected = {k for k in request_keys if table.get(k, -1) >= 0}
         # Cached keys no load pins (pins are on cached keys only), less the protected:
         # when too few, no walk of the policy can find n (a pool pinned full stays O(1)).
-        pins = self._load_pins
+        pins = self._pins
         spared = sum(1 for k in protected if k not in pins) if protected else 0
         if len(table) - self._num_storing - len(pins) - spared < n:
             return None
@@ -266,14 +206,19 @@ class HostBlockPool:
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> None:
         """Finish a store: the blocks become readable, or on failure are freed.
 
-        Keys that are not being stored (already finished, or never prepared) are skipped.
+        Keys that are not being stored (already finished, or never prepared) are
+        skipped, and so are keys held while storing (``Hold.LATE_READ``): they stay
+        storing until released.
         """
         table = self._keys
+        held = self._storing_holds
         if success:
             stored = []
             for key in keys:
                 block = table.get(key, 0)
                 if block < 0:  # storing: ~block is its block
+                    if held and key in held:
+                        continue
                     table[key] = ~block
                     stored.append(key)
             self._num_storing -= len(stored)
@@ -282,120 +227,24 @@ class HostBlockPool:
             if stored and self._events_on:
                 self._events.append(CacheEvent("stored", tuple(stored)))
             return
-        freed: list[int] = []
-        for key in keys:
-            block = table.get(key, 0)
-            if block < 0:
-                del table[key]
-                block = ~block
-                self._block_key[block] = None
-                self._state[block] = FREE
-                self.policy.remove(key)
-                freed.append(block)
-        self._num_storing -= len(freed)
-        self._alloc.free(freed)
+        failed = [k for k in dict.fromkeys(keys) if table.get(k, 0) < 0 and k not in held]
+        self._num_storing -= len(failed)
+        self._drop_keys(failed, [~table.pop(k) for k in failed])
 
-    def prepare_load(self, keys: Sequence[Hashable]) -> list[int]:
-        """Pin the blocks of cached ``keys`` for reading and return them, in order.
+    def _drop_keys(self, keys: Sequence[Hashable], blocks: list[int]) -> None:
+        """Free the blocks of ``keys``, just taken out of the key map, and tell the policy."""
+        remove, block_key = self.policy.remove, self._block_key
+        for key, block in zip(keys, blocks):
+            remove(key)
+            block_key[block] = None
+        self._free_blocks(blocks)
 
-        Raises ``KeyError`` (pinning nothing) if a key is not cached and readable.
-        """
-        table = self._keys
-        try:
-            if len(keys) == 1:  # the common case, without the list comprehension's frame
-                key = keys[0]
-                block = table[key]
-                if block >= 0:
-                    pins = self._load_pins
-                    pins[key] = pins.get(key, 0) + 1
-                    return [block]
-                blocks = [block]
-            else:
-                blocks = [table[k] for k in keys]
-        except KeyError as exc:
-            raise KeyError(f"cannot load key {exc.args[0]!r}: it is not cached") from None
-        if min(blocks, default=0) < 0:
-            key = next(k for k, b in zip(keys, blocks) if b < 0)
-            raise KeyError(f"cannot load key {key!r}: it is being stored")
-        pins = self._load_pins
-        get = pins.get
-        for key in keys:
-            pins[key] = get(key, 0) + 1
-        return blocks
-
-    def complete_load(self, keys: Sequence[Hashable]) -> None:
-        """Unpin the blocks that ``prepare_load`` pinned for ``keys``."""
-        pins = self._load_pins
-        if len(keys) == 1:  # the common case, without loop bookkeeping
-            count = pins.get(keys[0], 0)
-            if count == 1:
-                del pins[keys[0]]
-                self._released += 1  # unpinned: evictable again
-                return
-            if count > 1:
-                pins[keys[0]] = count - 1
-                return
-        done = 0
-        try:
-            for key in keys:
-                count = pins[key]
-                if count == 1:
-                    del pins[key]
-                    self._released += 1  # unpinned: evictable again
-                else:
-                    pins[key] = count - 1
-                done += 1
-        except KeyError:
-            for key in keys[:done]:  # leave the pins as they were
-                pins[key] = pins.get(key, 0) + 1
-            raise RuntimeError(
-                f"complete_load for key {keys[done]!r} without prepare_load"
-            ) from None
-
-    def hold(self, keys: Sequence[Hashable], kind: Hold) -> list[int]:
-        """Hold the blocks of cached ``keys`` for ``kind`` and return them, in order:
-        pinned as by ``prepare_load``, and counted for ``kind`` until ``release``.
-
-        Raises ``KeyError`` (holding nothing) if a key is not cached and readable.
-        """
-        blocks = self.prepare_load(keys)
-        held = self._holds[kind]
-        get = held.get
-        for key in keys:
-            held[key] = get(key, 0) + 1
-        self._hold_counts[kind] += len(keys)
-        return blocks
-
-    def release(self, keys: Sequence[Hashable], kind: Hold) -> None:
-        """End holds of ``kind`` on ``keys``. Raises ``RuntimeError`` (releasing nothing)
-        for a key ``kind`` does not hold as often as it is named."""
-        held = self._holds[kind]
-        wanted: dict[Any, int] = {}
-        for key in keys:
-            wanted[key] = wanted.get(key, 0) + 1
-        for key, n in wanted.items():
-            if held.get(key, 0) < n:
-                raise RuntimeError(f"release of a {kind.value} hold on {key!r}, which it lacks")
-        self.complete_load(keys)
-        for key, n in wanted.items():
-            left = held[key] - n
-            if left:
-                held[key] = left
-            else:
-                del held[key]
-        self._hold_counts[kind] -= len(keys)
-
-    def pins(self, key: Hashable) -> int:
-        """How many loads (holds included) pin ``key`` now."""
-        return self._load_pins.get(key, 0)
-
-    def holds(self, key: Hashable, kind: Hold) -> int:
-        """How many holds of ``kind`` ``key`` has."""
-        return self._holds[kind].get(key, 0)
-
-    def held(self, kind: Hold) -> int:
-        """Holds of ``kind`` on all keys together (a key held twice counts twice)."""
-        return self._hold_counts[kind]
+    def _free_blocks(self, blocks: list[int]) -> None:
+        """Return ``blocks`` (no key's and no owner's now) to the allocator."""
+        state = self._state
+        for block in blocks:
+            state[block] = FREE
+        self._alloc.free(blocks)
 
     def touch(self, keys: Sequence[Hashable]) -> None:
         """Mark ``keys`` used. The first key ends up the most recently used: a
@@ -414,26 +263,19 @@ class HostBlockPool:
         """Evict ``n`` unpinned cached keys now, by the policy's order, never one of
         ``keep``, and free their blocks. Returns the keys, or ``None`` (evicting
         nothing) when fewer than ``n`` may go."""
-        victims = self._evict(n, list(keep))
+        victims = self._evict(n, keep)
         if victims is None:
             return None
         keys, blocks = victims
-        for block in blocks:
-            self._state[block] = FREE
-        self._alloc.free(blocks)
+        self._free_blocks(blocks)
         return keys
 
     def evict_all(self) -> list[Hashable]:
         """Evict every unpinned cached key (for a reset); returns them."""
-        pins = self._load_pins
+        pins = self._pins
         table = self._keys
         keys = [k for k, b in table.items() if b >= 0 and k not in pins]
-        blocks = [table.pop(k) for k in keys]
-        for key, block in zip(keys, blocks):
-            self.policy.remove(key)
-            self._block_key[block] = None
-            self._state[block] = FREE
-        self._alloc.free(blocks)
+        self._drop_keys(keys, [table.pop(k) for k in keys])
         if keys and self._events_on:
             self._events.append(CacheEvent("removed", tuple(keys)))
         return keys
@@ -474,48 +316,18 @@ class HostBlockPool:
     def free_owned(self, owner: Hashable) -> int:
         """Return all of ``owner``'s blocks to the free set. Returns how many.
 
-        Raises ``RuntimeError`` if one is still pinned by a transfer.
+        Raises ``RuntimeError`` if one is still held (``hold_blocks``, ``pin``).
         """
         blocks = self._owned.get(owner)
         if not blocks:
             self._owned.pop(owner, None)
             return 0
         if any(b in self._owned_read_pins or b in self._owned_write_pins for b in blocks):
-            raise RuntimeError(f"owner {owner!r} has blocks pinned by a transfer in flight")
+            raise RuntimeError(f"owner {owner!r} has blocks held (by a transfer in flight)")
         del self._owned[owner]
-        for block in blocks:
-            self._state[block] = FREE
-        self._alloc.free(blocks)
+        self._free_blocks(blocks)
         self._num_owned -= len(blocks)
         return len(blocks)
-
-    def pin(self, block_ids: Sequence[int], *, write: bool) -> None:
-        """Pin owned blocks for a transfer (``write``: the transfer fills them).
-
-        Cached blocks are pinned with ``prepare_load`` instead.
-        """
-        state = self._state
-        for block in block_ids:
-            if state[block] != OWNED:
-                raise ValueError(
-                    f"block {block} is {self.state_of(block)}; pin() is for owned blocks "
-                    "(cached ones are pinned by prepare_load)"
-                )
-        pins = self._owned_write_pins if write else self._owned_read_pins
-        for block in block_ids:
-            pins[block] = pins.get(block, 0) + 1
-
-    def unpin(self, block_ids: Sequence[int], *, write: bool) -> None:
-        pins = self._owned_write_pins if write else self._owned_read_pins
-        missing = [b for b in block_ids if b not in pins]
-        if missing:
-            raise RuntimeError(f"blocks {missing} unpinned more often than pinned")
-        for block in block_ids:
-            count = pins[block]
-            if count == 1:
-                del pins[block]
-            else:
-                pins[block] = count - 1
 
     # ------------------------------------------------------------------ introspection
 
@@ -534,8 +346,9 @@ class HostBlockPool:
 
     @property
     def num_read_pinned(self) -> int:
-        """Blocks pinned by loads in flight (``PoolStats.read_pinned``)."""
-        return len(self._load_pins) + len(self._owned_read_pins)
+        """Blocks held for reading: cached keys held, owned blocks held by a reading
+        kind (``PoolStats.read_pinned``)."""
+        return len(self._pins) + len(self._owned_read_pins)
 
     def block_of(self, key: Hashable) -> int | None:
         """The block of a cached or storing key, else ``None``."""
@@ -554,7 +367,7 @@ class HostBlockPool:
         return (
             block in self._owned_read_pins
             or block in self._owned_write_pins
-            or (key is not None and (key in self._load_pins or self._keys[key] < 0))
+            or (key is not None and (key in self._pins or self._keys[key] < 0))
         )
 
     def free_runs(self) -> list[tuple[int, int]]:
@@ -572,10 +385,10 @@ class HostBlockPool:
             storing=self._num_storing,
             cached=self.num_cached,
             owned=self._num_owned,
-            read_pinned=len(self._load_pins) + len(self._owned_read_pins),
+            read_pinned=len(self._pins) + len(self._owned_read_pins),
             write_pinned=self._num_storing + len(self._owned_write_pins),
             allocation_histogram=list(self._histogram),
-            holds={kind.value: n for kind, n in self._hold_counts.items()},
+            holds=self._hold_stats(),
         )
 
     def check_invariants(self) -> None:
@@ -602,12 +415,4 @@ class HostBlockPool:
             assert self._block_key[block] == key
             assert self._state[block] == KEYED
         assert len(seen) == counts[KEYED]
-        assert all(self._keys[key] >= 0 and n > 0 for key, n in self._load_pins.items())
-        for pins in (self._owned_read_pins, self._owned_write_pins):
-            assert all(self._state[b] == OWNED and n > 0 for b, n in pins.items())
-        for kind, held in self._holds.items():
-            assert self._hold_counts[kind] == sum(held.values()), f"{kind.value} count drifted"
-            for key, n in held.items():
-                assert n > 0 and self._load_pins.get(key, 0) >= n, f"{kind.value} hold unpinned"
-        for key, n in self._load_pins.items():
-            assert sum(h.get(key, 0) for h in self._holds.values()) <= n, "holds exceed pins"
+        self._check_holds()
