@@ -18,8 +18,8 @@ Flow:
   others wait (HIT_PENDING), so requests never wait on each other's pins or their
   own; a read that timed out
   (a store tier's call past its deadline) reads ``MISS`` at once, and its host block
-  stays reserved (storing, held: ``Hold.LATE_READ``) until the tier's ``"release"``
-  result: the late call may still write into it;
+  stays reserved until the tier's ``"release"`` result: the late call may still write
+  into it;
 * host eviction needs no I/O: an evicted block is already on disk (write-through),
   so the pool may reuse it at once.
 
@@ -127,6 +127,9 @@ class TierManager:
         # Blocks a store's write-through dropped before its job, by (tier index, store).
         self._write_drops: dict[tuple[int, str], int] = {}
         self._promoting: dict[bytes, int] = {}  # key -> tier index
+        # Keys whose read timed out: their host blocks stay reserved (storing) until the
+        # tier's "release" result, as the late call may still write into them.
+        self._held: set[bytes] = set()
         self._load_sources: OrderedDict[bytes, str] = OrderedDict()
         # Keys a request's current lookup pass found; from its first promotion on, the
         # cached ones are held (Hold.LOOKUP_PASS) until the pass ends (else a long
@@ -143,12 +146,11 @@ class TierManager:
         self._room_reqs: dict[str, int] = {}
         self._step = 0
         # Items waiting for the end of their pass or step, by (tier index, op, request);
-        # keys a tier refused to read (-> the step: a MISS for FRESH_STEPS steps); jobs
-        # in flight (id -> items not yet back).
+        # keys a tier refused to read (-> the step: a MISS for FRESH_STEPS steps). Jobs
+        # in flight are the tiers' to hold (SecondaryTier.jobs_in_flight).
         self._queued: dict[tuple[int, str, str], list[tuple[bytes, bytes, int]]] = {}
         self._refused: OrderedDict[bytes, int] = OrderedDict()
         self._job_ids = itertools.count(1)
-        self._jobs: dict[int, int] = {}
         self._stores = 0
         self.max_promoting = max(1, pool.num_blocks // 2)
         # The tiers' name of each key in use, computed once (a lookup, a write-through,
@@ -181,7 +183,7 @@ class TierManager:
                 self._pass_held.append(key)
             return Lookup.HIT
         if pool.is_storing(key):
-            if pool.holds(key, Hold.LATE_READ):  # a read that timed out: never loaded
+            if key in self._held:  # a read that timed out: never loaded
                 return Lookup.MISS
             self._pass_keys.append(key)
             return Lookup.HIT_PENDING
@@ -407,10 +409,8 @@ class TierManager:
             if op == "write":
                 drops = self._write_drops.pop((idx, request), 0) if self._write_drops else 0
                 self.flows[idx].dropped(drops + tier.stats.writes_dropped - refused_before)
-            left = 0
             for (key, _digest, _block), ok in zip(items, started):
                 if ok:
-                    left += 1
                     if op == "read":
                         self.counters.promotions += 1
                     else:
@@ -423,13 +423,13 @@ class TierManager:
                     self._refused[key] = self._step
                 else:
                     pool.release([key], Hold.TIER_WRITE)
-            if left:
-                self._jobs[job.id] = left
 
     # ------------------------------------------------------------------ completion
 
     def poll(self) -> None:
-        """Apply finished fs reads and writes to the host tier. Every tier is polled,
+        """Apply the secondary tiers' finished reads and writes to the host tier (each
+        result labelled with its job; a job whose items are all back is over, the tier's
+        to count). Every tier is polled,
         jobs in flight or not: a poll also takes in what the tier found on its own (a
         start-up scan, files other engines wrote, probe answers)."""
         pool = self.pool
@@ -448,15 +448,10 @@ class TierManager:
         """Apply one tier's ``results`` (see :meth:`poll`); the write holds to end are
         counted into ``written``, completed writes into the tier's ``flow``."""
         pool = self.pool
-        jobs = self._jobs
         for res in results:
-            if res.job in jobs:
-                jobs[res.job] -= 1
-                if not jobs[res.job]:
-                    del jobs[res.job]
             if res.op == "release":  # a timed-out read's late call is over
-                if pool.holds(res.key, Hold.LATE_READ):
-                    pool.release([res.key], Hold.LATE_READ)
+                if res.key in self._held:
+                    self._held.discard(res.key)
                     pool.complete_store([res.key], success=False)
                 continue
             if res.op == "read":
@@ -467,8 +462,7 @@ class TierManager:
                 if res.fault == TierFault.TIMEOUT:
                     # The call may still write into the block: keep it reserved
                     # until the tier releases it; the lookup misses meanwhile.
-                    if pool.is_storing(res.key):
-                        pool.hold([res.key], Hold.LATE_READ)
+                    self._held.add(res.key)
                     self.counters.promotion_failures += 1
                     self._load_sources.pop(res.key, None)
                     continue
@@ -563,9 +557,7 @@ class TierManager:
                 "kvtier: cache reset with fs jobs still running: %d host blocks dropped, "
                 "%d kept until their reads and writes finish",
                 len(dropped),
-                len(self._promoting)
-                + self.pool.held(Hold.TIER_WRITE)
-                + self.pool.held(Hold.LATE_READ),
+                len(self._promoting) + self.pool.held(Hold.TIER_WRITE) + len(self._held),
             )
             self._load_sources.clear()
             return
@@ -577,9 +569,9 @@ class TierManager:
         self._promoting.clear()
         self._room_owner.clear()
         self._room_reqs.clear()
+        self._held.clear()
         self._load_sources.clear()
         self._refused.clear()
-        self._jobs.clear()
         self._asking.clear()
         self._write_drops.clear()
 
@@ -615,5 +607,5 @@ class TierManager:
 
     @property
     def jobs_in_flight(self) -> int:
-        """Tier jobs submitted with items not yet back."""
-        return len(self._jobs)
+        """Tier jobs submitted with items not yet back (each tier holds its own)."""
+        return sum(tier.jobs_in_flight for tier in self.secondary_tiers)

@@ -13,7 +13,7 @@ from typing import Any
 
 
 class TierFault(str, enum.Enum):
-    """The kinds of fault a secondary tier counts (``vllm:kvtier_fs_faults{tier,kind}``).
+    """The kinds of fault a secondary tier counts (``vllm:kvtier_tier_faults{tier,kind}``).
 
     Each member is its own string (``TierFault.CORRUPT == "corrupt"``, the same hash and
     ``str``), so metric labels, logs and counters keyed by the plain name read alike.
@@ -43,7 +43,7 @@ FAULT_KINDS: tuple[TierFault, ...] = tuple(TierFault)
 @dataclass
 class TierResult:
     """One finished item of a secondary tier's job, handed over by the tier's ``poll``
-    (``results`` labels it with its job's id)."""
+    (:meth:`SecondaryTier.results` labels it with its job's id)."""
 
     op: str  # "read" | "write"
     key: bytes
@@ -58,13 +58,49 @@ class TierResult:
 
 @dataclass
 class TierJob:
-    """Reads or writes of one request on one tier, submitted together: ``items`` are
-    (key, digest, host block) with each digest computed once for the job."""
+    """Reads or writes of one request on one tier, the unit a tier takes
+    (:meth:`SecondaryTier.submit`): ``items`` are (key, digest, host block) with each
+    digest computed once for the job. ``left`` counts its items that started and whose
+    results have not come back; the tier holds the job until it is 0 (finished)."""
 
     id: int
     op: str  # "read" | "write"
     request: str
     items: list[tuple[bytes, bytes, int]]
+    left: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """Whether every item that started is back."""
+        return not self.left
+
+
+class JobBook:
+    """The jobs a tier holds: each item in flight -> its job (by op and key, as the
+    tier's results name their item), and the jobs with items in flight by id."""
+
+    __slots__ = ("by_item", "open")
+
+    def __init__(self) -> None:
+        self.by_item: dict[tuple[str, bytes], TierJob] = {}
+        self.open: dict[int, TierJob] = {}
+
+    def started(self, job: TierJob, key: bytes) -> None:
+        """Item ``key`` of ``job`` started."""
+        self.by_item[(job.op, key)] = job
+        job.left += 1
+        self.open[job.id] = job
+
+    def back(self, res: TierResult) -> None:
+        """``res`` came back: label it with its job's id (0: of no job) and count the
+        item off its job, which leaves the book once finished."""
+        job = self.by_item.pop((res.op, res.key), None)
+        if job is None:
+            return
+        res.job = job.id
+        job.left -= 1
+        if job.finished:
+            del self.open[job.id]
 
 
 @dataclass
@@ -117,7 +153,9 @@ class SecondaryTier(ABC):
     A lookup (``contains``) answers from memory: True, False, or None while the tier
     is still asking (a store tier asks its store in the background). ``submit_read``
     and ``submit_write`` start a job on a host block and say whether they did; its
-    :class:`TierResult` comes back from a later ``poll``.
+    :class:`TierResult` comes back from a later ``poll``. The manager submits whole
+    jobs (:meth:`submit`) and takes their items' results from :meth:`results`; the
+    tier holds each job until its items are back (:attr:`jobs_in_flight`).
     """
 
     name: str
@@ -170,34 +208,42 @@ class SecondaryTier(ABC):
         return str(self.cfg.locality)
 
     def submit(self, job: TierJob) -> list[bool]:
-        """Start every item of ``job``; for each, whether it started. Their results come
-        back from :meth:`results` labelled ``job.id``."""
+        """Start every item of ``job``; for each, whether it started. The tier holds the
+        job until the results of the items that started came back from :meth:`results`
+        (each labelled ``job.id``)."""
         start = self.submit_read if job.op == "read" else self.submit_write
-        jobs = self._jobs_by_item()
+        book = self._job_book()
         started: list[bool] = []
         for key, digest, block_id in job.items:
             ok = start(key, digest, block_id)
             if ok:
-                jobs[(job.op, key)] = job.id
+                book.started(job, key)
             started.append(ok)
         return started
 
     def results(self) -> list[TierResult]:
-        """What :meth:`poll` returns, each result labelled with the id of its job."""
+        """What :meth:`poll` returns, each result labelled with the id of its job (0: of
+        no job, e.g. a timed-out read's ``"release"``); a job whose items are all back
+        is finished and no longer held."""
         out = self.poll()
-        jobs = self._jobs_by_item()
-        if jobs:
+        book = self._job_book()
+        if book.by_item:
             for res in out:
-                res.job = jobs.pop((res.op, res.key), 0)
+                book.back(res)
         return out
 
-    def _jobs_by_item(self) -> dict[tuple[str, bytes], int]:
-        """(op, key) of each item in flight -> its job's id (made on first use, so a
-        tier's constructor need not call this class's)."""
-        jobs: dict[tuple[str, bytes], int] | None = self.__dict__.get("_job_of_item")
-        if jobs is None:
-            jobs = self.__dict__["_job_of_item"] = {}
-        return jobs
+    @property
+    def jobs_in_flight(self) -> int:
+        """Jobs submitted with items whose results have not come back."""
+        return len(self._job_book().open)
+
+    def _job_book(self) -> JobBook:
+        """The jobs this tier holds (made on first use, so a tier's constructor need not
+        call this class's)."""
+        book: JobBook | None = self.__dict__.get("_jobs_held")
+        if book is None:
+            book = self.__dict__["_jobs_held"] = JobBook()
+        return book
 
     def has(self, digest: bytes) -> bool:
         """Indexed or being written (no I/O, no counters)."""
