@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.recompute_connector.state import KVGroup
+from kvtier.recompute_connector.state_types import KVGroup
 
 
 class BlockTableMirror:

@@ -2,7 +2,12 @@
 onto :class:`RecomputeOffloadScheduler` (scheduler process) and
 :class:`RecomputeOffloadWorker` (each worker process). This is the only module of the
 package, with its ``metrics``, that imports vLLM; vLLM's connector factory imports it
-lazily.
+lazily. It reads the configuration and the engine's facts (kvtier-vllm-port's port) and
+hands the work on: :class:`~kvtier.recompute_connector.scheduler_side.SchedulerSide`
+turns vLLM's scheduler calls into the scheduler's plain values, ``layout.py`` gives the
+KV cache groups, the host block's bytes and the workers' block views, and the fields of
+vLLM's objects that differ between releases are read through
+:mod:`kvtier.vllm_port.connector_reads`.
 
 The scheduler/worker protocol, and why it is correct under vLLM's step order:
 
@@ -57,8 +62,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvtier.recompute_connector.block_tables import BlockTableMirror
 from kvtier.recompute_connector.config import RecomputeOffloadConfig
+from kvtier.recompute_connector.layout import block_views, device_block_bytes, kv_groups
 from kvtier.recompute_connector.metrics import (
     RecomputeOffloadPromMetrics,
     RecomputeOffloadStats,
@@ -66,8 +71,10 @@ from kvtier.recompute_connector.metrics import (
     worker_stats,
 )
 from kvtier.recompute_connector.protocol import StepPlan, WorkerReport
-from kvtier.recompute_connector.state import Fallback, KVGroup, RecomputeOffloadScheduler
+from kvtier.recompute_connector.scheduler_side import SchedulerSide
+from kvtier.recompute_connector.state import RecomputeOffloadScheduler
 from kvtier.recompute_connector.worker import RecomputeOffloadWorker
+from kvtier.vllm_port import connector_reads
 from kvtier.vllm_port import port as vllm_port
 from kvtier.vllm_port.facts import KVLayoutFacts
 
@@ -78,9 +85,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvtier.recompute_connector")
 
 CONNECTOR_NAME = "RecomputeCPUOffloadConnector"
-# Steps a resumed hybrid request may wait for device room for its state blocks before
-# it is recomputed instead.
-ROOM_WAIT_STEPS = 1000
 
 
 class RecomputeConnectorMetadata(KVConnectorMetadata):
@@ -103,103 +107,6 @@ class RecomputeWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
-# ---------------------------------------------------------------------- helpers
-
-
-def block_placements(kv: KVLayoutFacts) -> list[tuple[str, int, int, int]] | None:
-    """Where each layer's blocks lie in vLLM's KV cache allocation, in bytes: per layer
-    ``(name, offset of block 0, distance between blocks, bytes of one block)``.
-
-    vLLM releases whose ``KVCacheTensor`` has a ``layer_stride`` place every tensor in
-    one allocation, and KV cache groups overlay each other there (a block id belongs to
-    one group at a time): a hybrid model's linear-attention layers get that whole
-    allocation as their KV cache, so their blocks can only be found from here. ``None``
-    on releases where each ``KVCacheTensor`` is an allocation of its own.
-    """
-    tensors = kv.device_tensors()
-    if not tensors or any(t.placement is None for t in tensors):
-        return None
-    pages: dict[str, int | None] = {}  # a layer's page: its (first) group's
-    for g in kv.groups:
-        for layer, page in g.page_bytes.items():
-            pages.setdefault(layer, page)
-    out = []
-    for t in tensors:
-        placed = t.placement
-        assert placed is not None
-        layer_stride, block_stride = placed.layer_stride, placed.block_stride
-        for i, layer in enumerate(t.layers):
-            page = pages.get(layer)
-            if page is None:
-                page = min(s for s in (layer_stride, block_stride) if s > 0)
-            out.append((layer, placed.offset + i * layer_stride, block_stride, page))
-    return out
-
-
-def device_block_bytes(kv: KVLayoutFacts) -> int:
-    """Bytes of one device block over every KV tensor of a rank (one host block)."""
-    placements = block_placements(kv)
-    if placements is not None and kv.num_blocks > 0:
-        # Overlaid groups share their bytes: count the union of block 0's runs.
-        total, end = 0, -1
-        for start, stop in sorted((p[1], p[1] + p[3]) for p in placements):
-            total += max(0, stop - max(start, end))
-            end = max(end, stop)
-        return total
-    tensors = kv.device_tensors()
-    if not tensors or kv.num_blocks <= 0:
-        raise ValueError("the KV cache config has no device KV tensors to offload")
-    return sum(t.size for t in tensors) // kv.num_blocks
-
-
-def block_views(kv_caches: dict[str, Any], kv: KVLayoutFacts) -> dict[str, Any]:
-    """The KV tensors to register with the copy engine: per layer a ``[num_blocks,
-    page bytes]`` uint8 view placed as :func:`block_placements` says, or ``kv_caches``
-    as vLLM gave them on releases without placements."""
-    placements = block_placements(kv)
-    if placements is None:
-        return kv_caches
-    views: dict[str, Any] = {}
-    for name, start, stride, page in placements:
-        entry = kv_caches.get(name)
-        if isinstance(entry, (list, tuple)):
-            entry = entry[0] if entry else None
-        if not isinstance(entry, torch.Tensor):
-            continue
-        # Every layer's tensor is a view of the one allocation, which starts its storage.
-        storage = entry.untyped_storage()
-        flat = torch.empty(0, dtype=torch.uint8, device=entry.device)
-        flat.set_(storage, 0, (storage.nbytes(),), (1,))
-        views[name] = flat.as_strided((kv.num_blocks, page), (stride, 1), start)
-    return views
-
-
-def kv_groups(kv: KVLayoutFacts) -> list[KVGroup]:
-    """The KV cache groups as the scheduler side sees them.
-
-    A Mamba group (linear attention's convolution and recurrent state) is kept only in
-    vLLM's ``mamba_cache_mode`` ``"align"`` without speculative blocks: there the state
-    after a request's last computed token is the block of that token, so one block
-    per request restores it. Other modes keep it elsewhere: recomputed.
-    """
-    groups = []
-    for g in kv.groups:
-        if "Mamba" in g.kind:
-            state = (
-                g.mamba_cache_mode == "align"
-                and not g.speculative_blocks
-                and not g.prefill_checkpoint_blocks
-            )
-            groups.append(KVGroup(g.block_size, None, state, state=state))
-            continue
-        supported = g.kind in ("FullAttentionSpec", "SlidingWindowSpec") or g.has_heads
-        mirrorable = bool(g.lineage & {"FullAttentionSpec", "SlidingWindowSpec"}) and not (
-            g.lineage & {"ChunkedLocalAttentionSpec"}
-        )
-        groups.append(KVGroup(g.block_size, g.sliding_window, supported, mirrorable=mirrorable))
-    return groups
-
-
 # ---------------------------------------------------------------------- the connector
 
 
@@ -214,10 +121,8 @@ def _recompute_failed_restores(vllm_config: Any) -> None:
     set here changes nothing. Nothing wrong is loaded either way: under ``fail``, vLLM
     ends a request whose restore failed with an error instead of recomputing it.
     """
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
-    if ktc is None or getattr(ktc, "kv_load_failure_policy", None) == "recompute":
+    if not connector_reads.recompute_failed_loads(vllm_config):
         return
-    ktc.kv_load_failure_policy = "recompute"
     logger.info(
         "kvtier: kv_load_failure_policy set to 'recompute': a failed restore is recomputed "
         "like any preempted request (inside MultiConnector the top-level "
@@ -244,7 +149,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             ktc.kv_connector_extra_config,
             world_size=int(parallel.world_size),
             kv_role=ktc.kv_role,
-            additional_config=getattr(vllm_config, "additional_config", None),
+            additional_config=connector_reads.additional_config(vllm_config),
         )
         if kv_cache_config is None:
             raise ValueError("RecomputeCPUOffloadConnector needs vLLM's kv_cache_config")
@@ -255,12 +160,8 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv: KVLayoutFacts = facts.kv
         self.block_bytes = device_block_bytes(facts.kv)
         self.scheduler: RecomputeOffloadScheduler | None = None
+        self.scheduler_side: SchedulerSide | None = None
         self.worker: RecomputeOffloadWorker | None = None
-        self._local_hits: dict[str, int] = {}
-        self._room_waits: dict[str, int] = {}  # request -> steps waited for device room
-        # Prefix sharing: the requests the scheduler admitted (for their block hashes).
-        self._requests: dict[str, Any] = {}
-        self._hash_block_size = 0
         self._groups = kv_groups(facts.kv)
         self._stats_every_step = not port.binds_kv_cache_manager
         self._gauges_sent: dict[str, int] = {}  # host-block gauges as last reported
@@ -268,61 +169,11 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # request, which vLLM accepts for restores it waits for (the port says where).
         several_groups = len(self._groups) > 1
         self._async_restores = several_groups and port.request_level_load_failures
-        # Sliding-window and state groups retire blocks while a request runs.
-        self._refresh_every_step = any(g.sliding_window or g.state for g in self._groups)
-        # vLLM 0.32 hands the scheduler side its KV cache manager to read block tables
-        # from; where it does not (0.23), the tables are rebuilt from its outputs.
-        # (The mirror is dropped once a manager is bound, and kept up only until then.)
-        self._kv_cache_manager: Any = None
-        self._gpu_block_pool: Any = None
-        self._mirror: BlockTableMirror | None = BlockTableMirror(self._groups)
         if role == KVConnectorRole.SCHEDULER:
-            budget = self.config.resolve_budget(self.block_bytes)
-            self.scheduler = RecomputeOffloadScheduler(
-                num_host_blocks=budget.num_blocks,
-                groups=self._groups,
-                world_size=self.config.world_size,
-                log=logger,
-                share_prefix=self.config.enable_offload_prefix_caching,
+            self.scheduler_side = SchedulerSide(
+                self.config, facts, self._groups, self.block_bytes, self._async_restores, logger
             )
-            logger.info(
-                "kvtier: RecomputeCPUOffloadConnector scheduler (kv_role %s, "
-                "recompute_scheduler_enable=%s accepted; vLLM's own scheduler is used): "
-                "per rank %s",
-                self.config.kv_role,
-                self.config.scheduler_flag,
-                budget.describe(),
-            )
-            if not self.scheduler.supported:
-                kinds = sorted(
-                    {g.kind for g, kv in zip(facts.kv.groups, self._groups) if not kv.supported}
-                )
-                logger.warning(
-                    "kvtier: this model has KV cache groups kvtier cannot keep (%s: a "
-                    "linear-attention or Mamba state outside vLLM's mamba_cache_mode "
-                    "'align', or with speculative blocks), so vLLM recomputes every "
-                    "preempted request",
-                    ", ".join(kinds),
-                )
-            if self.config.enable_offload_prefix_caching:
-                self._hash_block_size = facts.kv.hash_block_size
-                hashed = facts.block_hash.prefix_caching
-                logger.info(
-                    "kvtier: enable_offload_prefix_caching: full blocks with the same "
-                    "prefix-cache hash are kept on host once, shared between preempted "
-                    "requests%s",
-                    ""
-                    if hashed
-                    else " (but vLLM's prefix caching is off, so blocks carry no hash and "
-                    "nothing is shared: set enable_prefix_caching)",
-                )
-            if several_groups and not self._async_restores and self.scheduler.supported:
-                self.scheduler.supported = False
-                logger.warning(
-                    "kvtier: this vLLM cannot recompute a failed restore of a model with "
-                    "several KV cache groups (it reports failures per block only), so "
-                    "vLLM recomputes every preempted request of this model"
-                )
+            self.scheduler = self.scheduler_side.scheduler
             _recompute_failed_restores(vllm_config)
         else:
             self.worker = RecomputeOffloadWorker(
@@ -397,159 +248,40 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self.scheduler is None:
+        if self.scheduler_side is None:
             return 0, False
-        self._local_hits[request.request_id] = num_computed_tokens
-        if self._hash_block_size:
-            self._requests[request.request_id] = request
-        tokens = self.scheduler.restorable_tokens(
-            request.request_id, request.num_tokens, num_computed_tokens
-        )
-        if not tokens:
-            return tokens, False
-        req_id = request.request_id
-        extra = self.scheduler.uncounted_state_blocks(
-            num_computed_tokens + tokens, request.num_tokens
-        )
-        if extra:
-            room = self._room_for(num_computed_tokens, request.num_tokens, extra)
-            waited = self._room_waits.get(req_id, 0) + 1
-            if room is None or (not room and waited > ROOM_WAIT_STEPS):
-                self._room_waits.pop(req_id, None)
-                self.scheduler.refuse_restore(
-                    req_id, Fallback.CAPACITY, "no device room for its state blocks"
-                )
-                return 0, False
-            if not room:
-                self._room_waits[req_id] = waited
-                return None, False  # ask again next step
-        self._room_waits.pop(req_id, None)
-        # Asynchronous where a failed restore must reach vLLM as a failed request.
-        return tokens, self._async_restores
-
-    def _room_for(self, local_tokens: int, num_tokens: int, extra: int) -> bool | None:
-        """Whether vLLM's free device blocks cover what a resume of ``num_tokens``
-        tokens after a ``local_tokens`` prefix-cache hit allocates, ``extra`` state
-        blocks it does not count included (blocks of every group); None when that is
-        unknown or more than the device has."""
-        pool = self._gpu_block_pool  # also bound by bind_kv_cache_manager
-        if pool is None:
-            return None
-        need = extra
-        for group in self._groups:
-            if group.state:
-                need += 1
-            else:
-                need += -(-num_tokens // group.block_size) - local_tokens // group.block_size
-        if need >= int(getattr(pool, "num_gpu_blocks", need + 1)):
-            return None  # one block is vLLM's null block
-        return int(pool.get_num_free_blocks()) >= need
+        return self.scheduler_side.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if self.scheduler is None:
-            return
-        req_id = request.request_id
-        local = self._local_hits.pop(req_id, 0)
-        if num_external_tokens <= 0 and req_id not in self.scheduler.preempted:
-            return
-        self.scheduler.on_allocated(req_id, blocks.get_block_ids(), local, num_external_tokens)
+        if self.scheduler_side is not None:
+            self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        # vLLM 0.32 (0.23 never calls it): the manager answers block tables, so the
-        # mirror of the scheduler's outputs is not needed.
+        # vLLM 0.32 (0.23 never calls it); vLLM's own binds its block pool too.
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._mirror = None
+        if self.scheduler_side is not None:
+            self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        # Every release: free blocks are read here (_room_for).
-        self._gpu_block_pool = gpu_block_pool
+        # Every release: free blocks are read from it.
+        if self.scheduler_side is not None:
+            self.scheduler_side.bind_gpu_block_pool(gpu_block_pool)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        sched = self.scheduler
-        if sched is None:
+        if self.scheduler_side is None:
             return RecomputeConnectorMetadata(StepPlan())
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        mirror = self._mirror
-        for req_id in sorted(scheduler_output.preempted_req_ids or ()):
-            if req_id in num_scheduled:
-                # Preempted outside schedule() (a prefix-cache reset) and admitted again
-                # in this step, from scratch: its old blocks are gone, nothing to keep.
-                sched.running.pop(req_id, None)
-            else:
-                sched.on_preempted(req_id, *self._block_hashes(req_id))
-            if mirror is not None:
-                mirror.forget(req_id)
-        for new in scheduler_output.scheduled_new_reqs:
-            if mirror is not None:
-                mirror.replace(new.req_id, new.block_ids)
-            self._observe(sched, new.req_id, new.num_computed_tokens, num_scheduled, True)
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
-        for i, req_id in enumerate(cached.req_ids):
-            new_blocks = cached.new_block_ids[i]
-            if mirror is not None:
-                if req_id in resumed:
-                    mirror.replace(req_id, new_blocks or ())
-                elif not mirror.append(req_id, new_blocks):
-                    mirror.forget(req_id)
-            changed = req_id in resumed or bool(new_blocks and any(new_blocks))
-            self._observe(sched, req_id, cached.num_computed_tokens[i], num_scheduled, changed)
-        return RecomputeConnectorMetadata(sched.build_step_plan())
-
-    def _block_hashes(self, req_id: str) -> tuple[list[list[bytes]] | None, int | None]:
-        """Per KV cache group, the prefix-cache hash of each full block of the request,
-        and its number of tokens (prefix sharing only)."""
-        request = self._requests.get(req_id)
-        if request is None:
-            return None, None
-        hashes = list(getattr(request, "block_hashes", ()) or ())
-        per_group: list[list[bytes]] = []
-        for group in self._groups:
-            factor = max(1, group.block_size // self._hash_block_size)
-            # A block's hash is the chained hash of its last hash-sized piece.
-            per_group.append(hashes[factor - 1 :: factor])
-        return per_group, int(request.num_tokens)
-
-    def _observe(
-        self,
-        sched: RecomputeOffloadScheduler,
-        req_id: str,
-        num_computed: int,
-        num_scheduled: dict[str, int],
-        changed: bool,
-    ) -> None:
-        n = num_scheduled.get(req_id, 0)
-        known = sched.running.get(req_id)
-        if known is not None and not changed and not self._refresh_every_step:
-            known.kv_tokens = num_computed + n
-            return
-        block_ids: Any = None
-        if self._kv_cache_manager is not None:
-            block_ids = self._kv_cache_manager.get_block_ids(req_id)
-        elif self._mirror is not None and self._mirror.supported:
-            block_ids = self._mirror.table(req_id, num_computed + n)
-        if block_ids is None:
-            # Its block table changed and cannot be read: a copy would miss blocks, so
-            # the request is no longer tracked and a preemption recomputes it.
-            sched.running.pop(req_id, None)
-            return
-        sched.observe_scheduled(req_id, block_ids, num_computed, n)
+        return RecomputeConnectorMetadata(self.scheduler_side.step_plan(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        meta = connector_reads.worker_meta(connector_output)
         if self.scheduler is not None and isinstance(meta, RecomputeWorkerMetadata):
             self.scheduler.on_worker_report(meta.report)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self.scheduler is not None:
-            self._local_hits.pop(request.request_id, None)
-            self._room_waits.pop(request.request_id, None)
-            self._requests.pop(request.request_id, None)
-            if self._mirror is not None:
-                self._mirror.forget(request.request_id)
-            self.scheduler.on_finished(request.request_id)
+        if self.scheduler_side is not None:
+            self.scheduler_side.finished(request.request_id)
         return False, None
 
     def request_finished_all_groups(

@@ -1,11 +1,12 @@
 """The scheduler side: which requests' KV sits in host DRAM, and what to copy each step.
 
 :class:`RecomputeOffloadScheduler` is a state machine fed by the vLLM adapter (see
-``connector.py``) with plain values, so it is tested without an engine. It owns the
-host block bookkeeping (a :class:`kvtier.blockpool.HostBlockPool`); the workers own
-the host memory and copy what the step plans say. Its records live in
-:mod:`.state_types`, the block maps of each copy are planned by :mod:`.planner`, and
-:mod:`.invariants` checks the bookkeeping for tests.
+``connector.py`` and ``scheduler_side.py``) with plain values, so it is tested without
+an engine. It owns the host block bookkeeping (a
+:class:`kvtier.blockpool.HostBlockPool`); the workers own the host memory and copy what
+the step plans say. Its records live in :mod:`.state_types`, the block maps of each
+copy are planned by :mod:`.planner`, and :mod:`.invariants` checks the bookkeeping for
+tests.
 
 A preempted request's life::
 
