@@ -18,8 +18,8 @@ Flow:
   others wait (HIT_PENDING), so requests never wait on each other's pins or their
   own; a read that timed out
   (a store tier's call past its deadline) reads ``MISS`` at once, and its host block
-  stays reserved until the tier's ``"release"`` result: the late call may still write
-  into it;
+  stays reserved (storing, held: ``Hold.LATE_READ``) until the tier's ``"release"``
+  result: the late call may still write into it;
 * host eviction needs no I/O: an evicted block is already on disk (write-through),
   so the pool may reuse it at once.
 
@@ -127,9 +127,6 @@ class TierManager:
         # Blocks a store's write-through dropped before its job, by (tier index, store).
         self._write_drops: dict[tuple[int, str], int] = {}
         self._promoting: dict[bytes, int] = {}  # key -> tier index
-        # Keys whose read timed out: their host blocks stay reserved (storing) until the
-        # tier's "release" result, as the late call may still write into them.
-        self._held: set[bytes] = set()
         self._load_sources: OrderedDict[bytes, str] = OrderedDict()
         # Keys a request's current lookup pass found; from its first promotion on, the
         # cached ones are held (Hold.LOOKUP_PASS) until the pass ends (else a long
@@ -183,7 +180,7 @@ class TierManager:
                 self._pass_held.append(key)
             return Lookup.HIT
         if pool.is_storing(key):
-            if key in self._held:  # a read that timed out: never loaded
+            if pool.holds(key, Hold.LATE_READ):  # a read that timed out: never loaded
                 return Lookup.MISS
             self._pass_keys.append(key)
             return Lookup.HIT_PENDING
@@ -450,8 +447,8 @@ class TierManager:
         pool = self.pool
         for res in results:
             if res.op == "release":  # a timed-out read's late call is over
-                if res.key in self._held:
-                    self._held.discard(res.key)
+                if pool.holds(res.key, Hold.LATE_READ):
+                    pool.release([res.key], Hold.LATE_READ)
                     pool.complete_store([res.key], success=False)
                 continue
             if res.op == "read":
@@ -462,7 +459,8 @@ class TierManager:
                 if res.fault == TierFault.TIMEOUT:
                     # The call may still write into the block: keep it reserved
                     # until the tier releases it; the lookup misses meanwhile.
-                    self._held.add(res.key)
+                    if pool.is_storing(res.key):
+                        pool.hold([res.key], Hold.LATE_READ)
                     self.counters.promotion_failures += 1
                     self._load_sources.pop(res.key, None)
                     continue
@@ -557,7 +555,9 @@ class TierManager:
                 "kvtier: cache reset with fs jobs still running: %d host blocks dropped, "
                 "%d kept until their reads and writes finish",
                 len(dropped),
-                len(self._promoting) + self.pool.held(Hold.TIER_WRITE) + len(self._held),
+                len(self._promoting)
+                + self.pool.held(Hold.TIER_WRITE)
+                + self.pool.held(Hold.LATE_READ),
             )
             self._load_sources.clear()
             return
@@ -569,7 +569,6 @@ class TierManager:
         self._promoting.clear()
         self._room_owner.clear()
         self._room_reqs.clear()
-        self._held.clear()
         self._load_sources.clear()
         self._refused.clear()
         self._asking.clear()
