@@ -1,4 +1,5 @@
-"""The on-disk format of the fs tier.
+"""The block file format: the fs tier's files on disk, and the bytes of the store
+tier's objects (named ``kvtier-kv-v1/<fingerprint>/<key digest>`` there).
 
 Layout under ``root_dir``::
 
