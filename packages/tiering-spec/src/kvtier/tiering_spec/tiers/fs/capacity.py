@@ -12,8 +12,8 @@ removal (``_unlink``). The arithmetic itself is in ``index`` (no I/O).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvtier.tiering_spec.tiers.base import TierFault, TierResult, TierStats
 from kvtier.tiering_spec.tiers.fs.index import FsCapacity, FsIndex
@@ -51,14 +51,9 @@ class TierCapacity:
 
         def _fault(self, kind: TierFault, res: TierResult) -> None: ...
 
-        def _start_write(
-            self,
-            key: bytes,
-            digest: bytes,
-            block_id: int,
-            views: Sequence[memoryview],
-            reuse: bytes | None = None,
-        ) -> None: ...
+        def _submit(self, kind: str, fn: Callable[..., Any], *args: Any) -> None: ...
+
+        def _write_task(self, *args: Any, **kwargs: Any) -> None: ...
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -142,7 +137,7 @@ class TierCapacity:
         self._retried.add(digest)
         self._writing.add(digest)
         self._index.reserved += self.entry_bytes
-        self._start_write(res.key, digest, res.block_id, self._views)
+        self._submit("write", self._write_task, res.key, digest, res.block_id, self._views)
         return True
 
     def _regrow(self) -> None:

@@ -350,16 +350,6 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         self._inflight += 1
         self._io.put(kind, fn, *args)
 
-    def _start_write(
-        self,
-        key: bytes,
-        digest: bytes,
-        block_id: int,
-        views: Sequence[memoryview],
-        reuse: bytes | None = None,
-    ) -> None:
-        self._submit("write", self._write_task, key, digest, block_id, views, reuse)
-
     def submit_write(self, key: bytes, digest: bytes, block_id: int) -> bool:
         """Write host block ``block_id`` (all ranks) as ``key``. False if not submitted:
         already present, no room under ``capacity_bytes``, or the region is not mapped."""
@@ -382,7 +372,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         self._writing.add(digest)
         if reuse is not None:
             self._reusing[digest] = reuse
-        self._start_write(key, digest, block_id, views, reuse)
+        self._submit("write", self._write_task, key, digest, block_id, views, reuse)
         return True
 
     def submit_read(self, key: bytes, digest: bytes, block_id: int) -> bool:
