@@ -1,12 +1,14 @@
 """A tier type registered from outside the package: its schema and builder given to the
 registry, configured through ``secondary_tiers`` as the fs tier is, and used by the
-tier manager (stores written through to it, a host miss promoted back from it)."""
+tier manager (stores written through to it, a host miss promoted back from it), then by
+a vLLM engine (the last test, marked ``e2e``)."""
 
 from __future__ import annotations
 
-import time
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +28,7 @@ from kvtier.tiering_spec.tiers import registry
 from kvtier.tiering_spec.tiers.base import FAULT_KINDS, SecondaryTier, TierResult, TierStats
 from kvtier.vllm_port.schema import Int, Key
 
+from .test_manager import settle
 from .tier_support import PAYLOAD, Region, layouts
 
 MEMORY_SCHEMA = tier_schema(
@@ -61,6 +64,11 @@ class MemoryTier(SecondaryTier):
 
     def _span(self, block_id: int) -> slice:
         return slice(block_id * self._payload, (block_id + 1) * self._payload)
+
+    @property
+    def used_bytes(self) -> int:
+        copies = [len(b) for blocks in self._index.values() for b in blocks]
+        return sum(copies)
 
     def contains(self, digest: bytes) -> bool:
         self.stats.queries += 1
@@ -98,18 +106,14 @@ class MemoryTier(SecondaryTier):
         return out
 
     def touch(self, digests: Sequence[bytes]) -> None:
-        pass
-
-    def shutdown(self) -> bool:
-        return True
+        pass  # no eviction order: the tier refuses writes once full
 
     @property
     def in_flight(self) -> int:
         return self._inflight
 
-    @property
-    def used_bytes(self) -> int:
-        return sum(len(b) for blocks in self._index.values() for b in blocks)
+    def shutdown(self) -> bool:
+        return True
 
 
 def build_memory_tier(
@@ -171,15 +175,6 @@ def test_the_config_type_is_made_from_the_schema() -> None:
         cfg.max_blocks = 5  # frozen, as a dataclass
 
 
-def settle(mgr: TierManager, timeout: float = 20.0) -> None:
-    mgr.flush()
-    deadline = time.monotonic() + timeout
-    while mgr.has_pending_work() and time.monotonic() < deadline:
-        time.sleep(0.002)
-        mgr.poll()
-    assert not mgr.has_pending_work(), "tier jobs did not finish"
-
-
 def store(mgr: TierManager, region: Region, key: bytes, seed: int) -> None:
     plan = mgr.prepare_store([key])
     assert plan is not None
@@ -212,3 +207,41 @@ def test_the_manager_stores_to_it_and_promotes_from_it() -> None:
     assert mgr.load_source(b"a") == "memory"
     assert mgr.counters.promotions == 1 and tier.stats.reads == 1
     mgr.pool.check_invariants()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_vllm_engine_runs_with_the_memory_tier_behind_its_host_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine (in this process, where the type is registered) builds the memory tier
+    from its ``secondary_tiers`` entry; a host tier too small for the prefixes is served
+    from it, and every output is the reference's, token by token."""
+    pytest.importorskip("vllm")
+    import kvtier.testkit as testkit
+    from kvtier.testkit import Workload, compare_outputs, kv_transfer_config, run_with
+    from kvtier.testkit.engine import kv_connector_of
+
+    from .e2e_support import ENGINE, ROOMY, offload_config, prefix_prompts
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the weight digests' cache
+    monkeypatch.setenv("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED", "0"))
+    model = testkit.make_tiny_llama()
+    workload = Workload(prefix_prompts(), 8)
+    cfg = offload_config("TieringOffloadingSpec", host_chunks=10)
+    cfg["kv_connector_extra_config"]["secondary_tiers"] = [{"type": "memory"}]
+
+    def inspect(llm: Any) -> tuple[Any, Any]:
+        core = kv_connector_of(llm).connector_scheduler.manager.core
+        return core.secondary_tiers[0], core.counters
+
+    ref, _ = run_with(model, workload, **ROOMY)
+    res, (tier, counters) = run_with(
+        model, workload, inspect=inspect, kv_transfer_config=kv_transfer_config(cfg), **ENGINE
+    )
+    cmp = compare_outputs(ref.outputs, res.outputs)
+    assert cmp.identical, cmp.report()
+    assert isinstance(tier, MemoryTier) and tier.name == "memory"
+    assert tier.stats.writes > 0 and tier.stats.reads > 0, tier.stats
+    assert counters.promotions > 0

@@ -57,6 +57,12 @@ def auth_key_file_key(meaning: str) -> Key:
     )
 
 
+def shared_keys(locality: str, auth_meaning: str) -> tuple[Key, Key, Key]:
+    """The keys kvtier's own tiers share, in their tables' order: ``enable_kv_events``,
+    ``locality`` (default ``locality``) and ``auth_key_file`` (meaning ``auth_meaning``)."""
+    return ENABLE_KV_EVENTS, locality_key(locality), auth_key_file_key(auth_meaning)
+
+
 def tier_schema(type_name: str, keys: Sequence[Key]) -> Schema:
     """The schema of one ``{"type": type_name, ...}`` entry: its ``type`` key, then
     ``keys``. Its README table is marked ``<!-- schema:TYPE-tier -->``."""
@@ -84,6 +90,10 @@ class TierConfig:
 
     schema: ClassVar[Schema]
     type: str
+    # What the engine reads of every tier's config, for a schema without these keys:
+    # no KV events of its own, reported as a local tier.
+    enable_kv_events: bool = False
+    locality: str = "LOCAL"
 
     if TYPE_CHECKING:  # the attributes are made from the schema, at run time
 

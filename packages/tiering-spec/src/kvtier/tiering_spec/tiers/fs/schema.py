@@ -12,14 +12,12 @@ from typing import Any
 
 from kvtier.blockpool.policies import POLICIES
 from kvtier.tiering_spec.tier_config import (
-    ENABLE_KV_EVENTS,
     TierConfig,
     TierSite,
     TierType,
-    auth_key_file_key,
     auth_key_file_path,
     check_directory,
-    locality_key,
+    shared_keys,
     tier_schema,
 )
 from kvtier.vllm_port.schema import REQUIRED, Check, Choice, Int, Key, Text, accept
@@ -69,14 +67,13 @@ FS_TIER_SCHEMA = tier_schema(
             "before a block the host tier has dropped",
             "frecency",
         ),
-        ENABLE_KV_EVENTS,
-        locality_key("LOCAL"),
-        auth_key_file_key(
+        *shared_keys(
+            "LOCAL",
             "a file holding a secret shared by every engine of the folder: each file then "
             "carries a MAC over its header and payload, and only files with a valid MAC are "
             'loaded (others: a miss, `kind="unauthenticated"`, removed). For a shared '
             "filesystem where the uid does not prove who wrote a file (NFS without Kerberos "
-            "trusts the uid a client asserts); files must still be this user's"
+            "trusts the uid a client asserts); files must still be this user's",
         ),
         Key("backpressure", Check(accept, "—"), _VLLM_ONLY),
         Key("module_path", Check(accept, "—"), _VLLM_ONLY),

@@ -17,13 +17,11 @@ from typing import TYPE_CHECKING, Any, cast
 from kvtier.tiering_spec.auth import load_auth_key
 from kvtier.tiering_spec.errors import ConfigError
 from kvtier.tiering_spec.tier_config import (
-    ENABLE_KV_EVENTS,
     TierConfig,
     TierSite,
     TierType,
-    auth_key_file_key,
     auth_key_file_path,
-    locality_key,
+    shared_keys,
     tier_schema,
 )
 from kvtier.vllm_port.schema import REQUIRED, Check, Choice, Int, Key, Text
@@ -106,12 +104,11 @@ MOONCAKE_TIER_SCHEMA = tier_schema(
             64 << 20,
             default_words="64 MiB",
         ),
-        ENABLE_KV_EVENTS,
-        locality_key("REMOTE"),
-        auth_key_file_key(
+        *shared_keys(
+            "REMOTE",
             "a file holding the secret every engine of the store shares: each object then "
             "carries a MAC over its header and payload, and only objects with a valid MAC are "
-            "loaded; without it every client of the master is trusted"
+            "loaded; without it every client of the master is trusted",
         ),
     ),
 )
