@@ -153,34 +153,14 @@ class StoreThreads:
                 return
 
     def _run_batch(self, call: Call, op: str, idx: list[int]) -> None:
+        """Put or get (``op``) the jobs ``idx`` of ``call`` in one store call, check what
+        came, post their results and remove the objects found damaged."""
         if call.abandoned:
             return
         t0 = time.perf_counter()
-        regions = self._regions
-        views = self._views
-        assert regions is not None and views is not None
         batch = [call.items[i] for i in idx]
-        keys: list[str] = []
-        ptrs: list[list[int]] = []
-        sizes: list[list[int]] = []
-        payload = self.payload_bytes
-        hsize = fs_format.HEADER_SIZE
         base = call.slot * self._slot_pages
-        for i, (_, _key, digest, block) in enumerate(batch):
-            for copy, name in enumerate(self.object_keys(digest)):
-                slot = base + i * self.copies + copy
-                head = self._headers_addr + slot * hsize
-                if op == "write":
-                    write_header(
-                        self._headers_view[slot * hsize : (slot + 1) * hsize],
-                        self.fingerprints[copy],
-                        digest,
-                        views[copy][block * payload : (block + 1) * payload],
-                        self._key,
-                    )
-                keys.append(name)
-                ptrs.append([head, regions[copy] + block * payload])
-                sizes.append([hsize, payload])
+        keys, ptrs, sizes = self._buffers(op, batch, base)
         client = self.client
         assert client is not None  # jobs are submitted only once connected
         if op == "write":
@@ -206,18 +186,50 @@ class StoreThreads:
                 # Removed, so that no engine tries it again.
                 if fault in (TierFault.CORRUPT, TierFault.UNAUTHENTICATED):
                     corrupt += self.object_keys(digest)
-            results.append(
-                TierResult(
-                    op,
-                    key,
-                    block,
-                    fault is None,
-                    fault,
-                    self.entry_bytes if fault is None else 0,
-                    seconds,
-                    digest,
-                )
+            ok = fault is None
+            nbytes = self.entry_bytes if ok else 0
+            results.append(TierResult(op, key, block, ok, fault, nbytes, seconds, digest))
+        self._post(call, op, idx, results)
+        if corrupt and not call.abandoned:
+            self._caller.run(
+                call, "remove", lambda: client.batch_remove(corrupt, True), len(corrupt)
             )
+
+    def _buffers(
+        self, op: str, batch: list[Any], base: int
+    ) -> tuple[list[str], list[list[int]], list[list[int]]]:
+        """The store keys, buffer addresses and sizes of ``batch`` (header page, then
+        the host block, per copy), its header pages from page ``base`` on; for a put,
+        the headers are written first."""
+        regions = self._regions
+        views = self._views
+        assert regions is not None and views is not None
+        keys: list[str] = []
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        payload = self.payload_bytes
+        hsize = fs_format.HEADER_SIZE
+        for i, (_, _key, digest, block) in enumerate(batch):
+            for copy, name in enumerate(self.object_keys(digest)):
+                slot = base + i * self.copies + copy
+                head = self._headers_addr + slot * hsize
+                if op == "write":
+                    write_header(
+                        self._headers_view[slot * hsize : (slot + 1) * hsize],
+                        self.fingerprints[copy],
+                        digest,
+                        views[copy][block * payload : (block + 1) * payload],
+                        self._key,
+                    )
+                keys.append(name)
+                ptrs.append([head, regions[copy] + block * payload])
+                sizes.append([hsize, payload])
+        return keys, ptrs, sizes
+
+    def _post(self, call: Call, op: str, idx: list[int], results: list[TierResult]) -> None:
+        """Hand the results of jobs ``idx`` of ``call`` to ``poll``: as they are, or, for
+        a call abandoned meanwhile, a late write as failed and a late read's block as
+        free again (``"release"``)."""
         with self._lock:
             call.running = None
             for i, res in zip(idx, results):
@@ -236,10 +248,6 @@ class StoreThreads:
                     self._results.append(
                         TierResult("release", res.key, res.block_id, False, TierFault.TIMEOUT)
                     )
-        if corrupt and not call.abandoned:
-            self._caller.run(
-                call, "remove", lambda: client.batch_remove(corrupt, True), len(corrupt)
-            )
 
     def _check_read(
         self, first: int, digest: bytes, block: int, codes: list[int]
