@@ -1,0 +1,288 @@
+"""The frecency eviction policy: frequency with aging at the pace of reuse (the
+pool's default; the package README says why)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Collection, Sequence
+from heapq import heapify, heappop, heappush
+
+from kvtier.blockpool.policy_base import NO_KEY, Key
+
+_GHOST_ITEM: tuple[float, int, Key] = (0.0, -1, NO_KEY)
+"""An evicted key's item: in no queue."""
+
+
+class _Entry:
+    """What frecency knows of a cached key or a ghost. A touch writes three fields in
+    place: an object with slots holds them inline, one memory read away."""
+
+    __slots__ = ("clock", "item", "order", "restored", "stored_at", "uses")
+
+    def __init__(self, clock: float, order: int, item: tuple[float, int, Key]) -> None:
+        self.uses: float = 0  # uses so far (halved as tuned)
+        self.clock = clock  # the virtual clock at the last use
+        self.stored_at = -1  # blocks stored before the last use (-1: never used)
+        self.restored = False  # stored again since: its next use was a miss
+        self.order = order  # order of the last use
+        # Its item in the queue while cached: (score when queued, order, key);
+        # _GHOST_ITEM while a ghost.
+        self.item = item
+
+
+class FrecencyPolicy:
+    """Frequency with aging at the pace of reuse: keeps what many requests share and
+    what comes back, and forgets both once they stop being used.
+
+    A key's *score* is its *uses* (requests that used it, counted also while it was
+    out of the cache) plus the value of a virtual *clock* at its last use; the lowest
+    score goes first, ties in the order of last use. The clock advances by ``1 / tau``
+    for each block stored, so one more use keeps a block as long as ``tau`` more
+    stored blocks would. Two rules tune it, every ``capacity`` stored blocks or
+    reuses seen as requests finish (``touch_prefix``):
+
+    * ``tau`` is the median reuse distance (blocks stored between two uses of a key)
+      seen lately, and at least the capacity (where the policy is LRU with frequency
+      deciding between blocks of about the same age);
+    * when fewer reuses hit than LRU would have served (reuses within ``capacity``
+      stored blocks of the last use), every use count is halved: old frequency was
+      keeping blocks that recency would have replaced.
+
+    A request's keys are used tail first, so its head is never scored below its tail
+    (it is used whenever the tail is) and eviction takes a prefix from its tail.
+    Keys that left the cache keep their uses as *ghosts*, at most
+    ``max(GHOST_KEYS, 4 * capacity)``, the first evicted forgotten first: a
+    conversation that comes back after its blocks were evicted is known again.
+
+    A use writes its key's entry and nothing else: each cached key is queued once, with
+    the score it had when queued (a lower bound, as scores only grow between halvings).
+    Eviction takes the lowest; a key used since it was queued is queued again with its
+    score, any other goes. A key never seen before enters at the clock with no uses, so
+    such keys arrive in score order: they wait in a FIFO (an append, not a heap push),
+    and eviction takes the lower of its head and the heap's.
+    """
+
+    __slots__ = (
+        "_distances",
+        "_fresh",
+        "_ghosts",
+        "_heap",
+        "_lead",
+        "_next_tune",
+        "_order",
+        "_parked",
+        "_parked_gen",
+        "_reuses",
+        "_seen",
+        "capacity",
+        "clock",
+        "max_ghosts",
+        "stored",
+        "tau",
+    )
+    name = "frecency"
+    GHOST_KEYS = 64_000
+    """Ghosts remembered at least (as many keys as vLLM's admission tracker counts)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.max_ghosts = max(self.GHOST_KEYS, 4 * self.capacity)
+        self.tau = float(self.capacity)
+        self.clock = 0.0  # the virtual clock: + 1 / tau per stored block
+        self.stored = 0  # blocks stored so far: reuse distances are counted in them
+        self._order = 0  # uses so far, to order equal scores
+        self._next_tune = self.capacity
+        self._seen: dict[Key, _Entry] = {}  # cached keys and ghosts -> entry
+        self._ghosts: OrderedDict[Key, None] = OrderedDict()  # first evicted first
+        self._heap: list[tuple[float, int, Key]] = []
+        # Keys never seen before, queued in insertion order, which is their score order.
+        self._fresh: deque[tuple[float, int, Key]] = deque()
+        self._distances = [0] * 64  # reuse distances by bit length, halved as tuned
+        # Since the last tuning: reuses seen as requests finished, and how many more of
+        # them hit than LRU would have hit.
+        self._reuses = self._lead = 0
+        # Queued keys an eviction found unevictable (storing or pinned), kept out of the
+        # heap while the pool's generation says no key became evictable since.
+        self._parked: list[tuple[float, int, Key]] = []
+        self._parked_gen: int | None = None
+
+    def insert(self, keys: Sequence[Key]) -> None:
+        """``keys`` entered the cache; a ghost gets its uses back."""
+        seen, ghosts, heap, fresh = self._seen, self._ghosts, self._heap, self._fresh
+        clock, order = self.clock, self._order
+        for key in reversed(keys):  # the tail first: it goes first among equals
+            entry = seen.get(key)
+            order += 1
+            if entry is None:
+                item = (clock, order, key)
+                seen[key] = _Entry(clock, order, item)
+                fresh.append(item)
+                continue
+            if ghosts.pop(key, NO_KEY) is not NO_KEY and entry.stored_at >= 0:
+                entry.restored = True  # stored again: its next use was a miss
+            item = entry.item = (entry.uses + entry.clock, entry.order, key)
+            heappush(heap, item)
+        self._order = order
+        self.stored += len(keys)
+        self.clock += len(keys) / self.tau
+        if self.stored >= self._next_tune:
+            self._tune()
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """``keys`` were used, head first: each counts one use. vLLM before 0.32 calls
+        this for a request's keys at every store, so it is kept lean: it feeds neither
+        the reuse distances nor the comparison with LRU. Unknown keys are ignored."""
+        clock, order = self.clock, self._order
+        for entry in map(self._seen.get, reversed(keys)):
+            if entry is not None:
+                order += 1
+                entry.uses += 1
+                entry.clock = clock
+                entry.order = order
+        self._order = order
+
+    def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
+        """A request finished with ``keys`` (head first): each counts one use, whether
+        the request stored it or reused it; a reuse records its distance and whether
+        it hit where LRU would have. Unknown keys are ignored."""
+        distances = self._distances
+        clock, now, capacity, order = self.clock, self.stored, self.capacity, self._order
+        reuses = lead = 0  # lead: reuses that hit, less those LRU would have hit
+        for entry in map(self._seen.get, reversed(keys)):
+            if entry is None:
+                continue
+            if entry.stored_at >= 0:  # used before: a reuse
+                distance = now - entry.stored_at
+                distances[distance.bit_length()] += 1
+                reuses += 1
+                lead += (not entry.restored) - (distance <= capacity)
+                entry.restored = False
+            order += 1
+            entry.uses += 1
+            entry.clock = clock
+            entry.stored_at = now
+            entry.order = order
+        self._order = order
+        self._lead += lead
+        self._reuses += reuses
+        if self._reuses >= capacity:
+            self._tune()
+
+    def remove(self, key: Key) -> None:
+        """``key`` left the cache other than by ``evict``; it leaves no ghost."""
+        del self._seen[key]
+
+    def evict(
+        self,
+        n: int,
+        evictable: Callable[[Key], bool],
+        *,
+        generation: int | None = None,
+        protected: Collection[Key] = (),
+    ) -> list[Key] | None:
+        """Take the ``n`` evictable keys of lowest score, none of ``protected``; they
+        become ghosts.
+
+        Returns them lowest first, or ``None`` (changing nothing but the heap's
+        queued scores) when fewer than ``n`` keys are evictable.
+
+        With ``generation`` (a count the caller raises whenever a key may have become
+        evictable), keys found unevictable are parked out of the heap until the count
+        changes, so a run of evictions while many keys are storing or pinned does not
+        go over them each time. The keys chosen are the same either way.
+        """
+        if n <= 0:
+            return []
+        heap, fresh, seen = self._heap, self._fresh, self._seen
+        parked = self._parked
+        if parked and (generation is None or generation != self._parked_gen):
+            for item in parked:  # some may be evictable now: queue them again
+                heappush(heap, item)
+            parked.clear()
+        self._parked_gen = generation
+        park = parked.append if generation is not None else None
+        victims: list[_Entry] = []
+        refused: list[tuple[float, int, Key]] = []
+        while len(victims) < n and (heap or fresh):
+            from_fresh = fresh and (not heap or fresh[0] < heap[0])
+            item = fresh.popleft() if from_fresh else heappop(heap)
+            key = item[2]
+            entry = seen.get(key)
+            if entry is None or entry.item is not item:
+                continue  # the key left the cache
+            if entry.order != item[1]:  # used since it was queued: queue it anew
+                item = entry.item = (entry.uses + entry.clock, entry.order, key)
+                heappush(heap, item)
+            elif key in protected:
+                refused.append(item)
+            elif evictable(key):
+                victims.append(entry)
+            elif park is not None:
+                park(item)
+            else:
+                refused.append(item)
+        for item in refused:
+            heappush(heap, item)
+        if len(victims) < n:
+            for entry in victims:
+                heappush(heap, entry.item)
+            return None
+        ghosts = self._ghosts
+        keys = []
+        for entry in victims:
+            key = entry.item[2]
+            entry.item = _GHOST_ITEM
+            ghosts[key] = None
+            keys.append(key)
+        while len(ghosts) > self.max_ghosts:
+            del seen[ghosts.popitem(last=False)[0]]
+        return keys
+
+    def _tune(self) -> None:
+        """Halve the uses if LRU would have hit more reuses since the last tuning; set
+        ``tau`` to the median reuse distance (at least the capacity), then halve the
+        distance counts, so that older distances weigh less."""
+        self._next_tune = self.stored + self.capacity
+        if self._lead < 0:
+            self._halve_uses()
+        self._reuses = self._lead = 0
+        distances = self._distances
+        half = sum(distances) / 2
+        median = below = 0.0
+        for bits, count in enumerate(distances):
+            if count and below + count >= half:
+                low = 1 << bits >> 1  # distances of this bit length: [low, 2 * low)
+                median = low + max(1, low) * (half - below) / count
+                break
+            below += count
+        self.tau = max(float(self.capacity), median)
+        self._distances = [count // 2 for count in distances]
+
+    def _halve_uses(self) -> None:
+        """Halve every key's uses and queue the cached keys anew with their scores."""
+        heap: list[tuple[float, int, Key]] = []
+        for entry in self._seen.values():
+            entry.uses /= 2
+            if entry.item is not _GHOST_ITEM:
+                entry.item = (entry.uses + entry.clock, entry.order, entry.item[2])
+                heap.append(entry.item)
+        heapify(heap)
+        self._heap = heap
+        self._fresh.clear()
+        self._parked.clear()  # every cached key is queued anew above
+
+    def score(self, key: Key) -> float:
+        """``key``'s score now (cached keys and ghosts)."""
+        entry = self._seen[key]
+        return float(entry.uses + entry.clock)
+
+    def keys_in_eviction_order(self) -> list[Key]:
+        """Cached keys, lowest score first, ties in the order of their last use."""
+        return [
+            key
+            for _, _, key in sorted(
+                (entry.uses + entry.clock, entry.order, key)
+                for key, entry in self._seen.items()
+                if entry.item is not _GHOST_ITEM
+            )
+        ]
