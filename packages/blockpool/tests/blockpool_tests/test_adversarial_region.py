@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvtier.blockpool import HostRegion, cleanup_stale_regions
-from kvtier.blockpool import region as region_mod
+from kvtier.blockpool import region_files as region_mod
 
 PREFIX = region_mod.PREFIX
 OTHER_UID = 54321  # no account of this system uses it; the test makes "another user"

@@ -17,6 +17,7 @@ from kvtier.blockpool.budget import (
     round_up,
 )
 from kvtier.blockpool.holds import Hold
+from kvtier.blockpool.host_memory import InsufficientHostMemoryError, mem_available_bytes
 from kvtier.blockpool.policies import (
     ARCPolicy,
     EvictionPolicy,
@@ -26,12 +27,10 @@ from kvtier.blockpool.policies import (
 )
 from kvtier.blockpool.pool import HostBlockPool
 from kvtier.blockpool.records import ALLOCATION_BUCKETS, CacheEvent, PoolStats, StorePlan
-from kvtier.blockpool.region import (
-    HostRegion,
-    InsufficientHostMemoryError,
+from kvtier.blockpool.region import HostRegion
+from kvtier.blockpool.region_files import (
     InsufficientSharedMemoryError,
     cleanup_stale_regions,
-    mem_available_bytes,
     shm_free_bytes,
 )
 
