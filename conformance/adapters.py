@@ -223,6 +223,10 @@ class _HostTier:
     policy is behind a view of vLLM's surface (the same policy, the same calls)."""
 
     def __init__(self, num_chunks: int, extra: dict[str, Any], enable_events: bool) -> None:
+        if num_chunks < 1:
+            # No budget buys no chunk: the pool refuses that capacity itself, with the
+            # error vLLM's tests meet (its manager takes a capacity of 0).
+            HostBlockPool(num_chunks)
         settings = parse_config({"cpu_bytes_to_use": num_chunks * _CHUNK, **extra}, tiering=False)
         facts = OffloadFacts(
             engine_id="conformance",

@@ -19,7 +19,8 @@ It also tells a kvtier manager which requests run with a LoRA adapter (only the
 connector sees vLLM's ``Request``): those keep to the host tier.
 
 With any other spec it is vLLM's connector unchanged. On releases without spec
-metrics it builds on :class:`kvtier.tiering_spec.vllm_legacy_metrics.OffloadingConnector`.
+metrics (vLLM 0.23) it reports kvtier's metrics itself
+(:mod:`kvtier.tiering_spec.vllm_legacy_metrics`).
 """
 
 from __future__ import annotations
@@ -29,15 +30,19 @@ import inspect
 import logging
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector as _Base,
+)
+
 from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
 from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
 from kvtier.vllm_port import lookups, store_planning, sync_loads
 
 logger = logging.getLogger("kvtier.tiering_spec")
-
-OffloadingWorkerMetadata = compat.WorkerMetadataBase
-_Base: Any = compat.ConnectorBase
 
 
 # Whether vLLM's connector reports no load errors of its own (vLLM 0.32 and 0.33 keep
@@ -52,7 +57,7 @@ _BASE_INIT = inspect.signature(_Base.__init__)
 
 
 @dataclasses.dataclass
-class KvtierWorkerMetadata(OffloadingWorkerMetadata or object):  # type: ignore[misc]
+class KvtierWorkerMetadata(OffloadingWorkerMetadata):
     """vLLM's worker metadata plus the store jobs that failed on some rank."""
 
     failed_store_jobs: set[int] = dataclasses.field(default_factory=set)
@@ -73,7 +78,7 @@ class KvtierWorkerMetadata(OffloadingWorkerMetadata or object):  # type: ignore[
         )
 
 
-class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
+class OffloadingConnector(_Base):  # type: ignore[misc]
     """vLLM's ``OffloadingConnector``; with a kvtier spec, failed transfers are
     recomputed instead of failing vLLM's assertion."""
 
@@ -93,8 +98,6 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
         self._held_stores: list[Any] = []  # stores to submit after the synchronous loads
         self._sync_started: frozenset[int] = frozenset()  # synchronous loads under way
         self._results_type: Any = None  # vLLM's KVConnectorTransferResults, once seen
-        if OffloadingWorkerMetadata is None:
-            return
         worker = getattr(self, "connector_worker", None)
         spec = getattr(worker, "spec", None)
         if isinstance(spec, _KvtierSpec):
@@ -240,6 +243,35 @@ class OffloadingConnector(_Base):  # type: ignore[misc,valid-type]
             return meta
         # Every rank's metadata is of this type, so aggregation keeps the failures.
         return KvtierWorkerMetadata.of(meta, set(worker.take_failed_stores()))
+
+    # -- metrics before vLLM 0.24 ---------------------------------------------------
+
+    def get_kv_connector_stats(self) -> Any:
+        if compat.SPEC_METRICS:
+            return super().get_kv_connector_stats()
+        return compat.legacy_metrics().connector_stats(self, super().get_kv_connector_stats)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        if compat.SPEC_METRICS:
+            return super().build_kv_connector_stats(data)
+        return compat.legacy_metrics().build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        if compat.SPEC_METRICS:
+            return super().build_prom_metrics(
+                vllm_config, metric_types, labelnames, per_engine_labelvalues
+            )
+        return compat.legacy_metrics().KvtierOffloadPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     # -- scheduler side -------------------------------------------------------------
 

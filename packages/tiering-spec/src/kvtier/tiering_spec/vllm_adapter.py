@@ -21,6 +21,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
+    OffloadingSpec,
 )
 
 from kvtier.tiering_spec import metrics as m
@@ -98,12 +99,12 @@ CONFIG_INFO_KEYS = (
 )
 
 
-class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
+class _KvtierSpec(OffloadingSpec):
     """What both specs share: the mapping of vLLM's spec onto kvtier's build.
 
     vLLM builds a spec from an ``OffloadingConfig`` (vLLM 0.32) or from its
-    ``(vllm_config, kv_cache_config)`` (older releases); :mod:`.vllm_compat` makes both
-    look like the first.
+    ``(vllm_config, kv_cache_config)`` (older releases); :func:`.vllm_compat.init_spec`
+    makes both look like the first.
     """
 
     TIERING = False
@@ -131,7 +132,7 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
         return compat.metric_definitions(cls.kvtier_metric_table(extra_config))
 
     def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+        compat.init_spec(self, *args)
         extra: dict[str, Any] = self.extra_config
         self.settings: OffloadConfig = parse_config(extra, tiering=self.TIERING)
         # vLLM 0.33's scheduler reads its budget of synchronous loads from here (0 when
@@ -174,10 +175,15 @@ class _KvtierSpec(compat.SpecBase):  # type: ignore[misc,valid-type]
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> Any:
         if self._worker is None:
+            compat.stand_in_for_vllms_worker(KvtierOffloadingWorker)
             side = self.offload.worker([t.tensor for t in kv_caches.tensors])
             self._worker = KvtierOffloadingWorker(side.core, store=side.store)
             self._worker.failures_reported = self.failures_reported
         return self._worker
+
+    def get_handlers(self, kv_caches: Any) -> Any:
+        """vLLM before 0.25: the transfer handlers, over :meth:`get_worker`'s worker."""
+        return compat.transfer_handlers(self.get_worker(kv_caches))
 
 
 class CPUOffloadingSpec(_KvtierSpec):

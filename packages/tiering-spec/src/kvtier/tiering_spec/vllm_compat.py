@@ -6,19 +6,19 @@ bases kvtier's classes are defined on and the calls they make, so the spec's own
 is the same on every release:
 
 * **Spec construction.** vLLM 0.26 and later build a spec from an ``OffloadingConfig``.
-  Before, from ``(vllm_config, kv_cache_config)``: there :data:`SpecBase` is
-  :mod:`kvtier.tiering_spec.vllm_legacy_spec`'s, which derives the same fields from the
+  Before, from ``(vllm_config, kv_cache_config)``: there :func:`init_spec` runs
+  :mod:`kvtier.tiering_spec.vllm_legacy_spec`, which derives the same fields from the
   engine's configs and sets ``block_size_factor`` to ``blocks_per_chunk``.
 * **Worker.** vLLM 0.25 and later take an ``OffloadingWorker``; before, handlers keyed
-  by medium (:mod:`kvtier.tiering_spec.vllm_legacy_spec`'s ``TransferHandler``).
+  by medium (:func:`transfer_handlers`).
 * **Metrics.** vLLM 0.24 and later ask a spec to declare its metrics and its manager for
-  stats. Before, kvtier's connector builds on
-  :mod:`kvtier.tiering_spec.vllm_legacy_metrics` (:data:`ConnectorBase`).
+  stats. Before, kvtier's connector reports them itself (:func:`legacy_metrics`).
 * **Manager answers** (lookups, events, per-request state, cache-hit sources) and vLLM's
   private connector state: the port's, with kvtier's ``Lookup`` mapped here.
 
 The code of an older interface generation lives in a module of its own that only that
-generation imports; every class is defined unconditionally at module level.
+generation imports; every class is defined unconditionally at module level, on the same
+bases on every release: what differs is called, never inherited.
 """
 
 from __future__ import annotations
@@ -48,27 +48,39 @@ FIXED_HASH_SEED = PORT.fixed_hash_seed
 # several KV cache groups recomputes a failed load instead of stopping the engine.
 REQUEST_LEVEL_LOAD_FAILURES = PORT.request_level_load_failures
 
-# The base of kvtier's worker: vLLM's ``OffloadingWorker``, or nothing where vLLM has handlers.
-WorkerBase: type = PORT.worker_base()
 
-# A spec's base: vLLM's ``OffloadingSpec``, or before 0.26 one that derives vLLM 0.32's
-# ``OffloadingConfig`` fields from the engine's configs (kvtier.tiering_spec.vllm_legacy_spec).
-SpecBase: type = (
-    OffloadingSpec
-    if CONFIG_API
-    else importlib.import_module("kvtier.tiering_spec.vllm_legacy_spec").LegacySpecBase
-)
+def _legacy(module: str) -> Any:
+    """A module of kvtier's code for an older interface generation (imported only there)."""
+    return importlib.import_module(f"kvtier.tiering_spec.{module}")
 
-# The base of kvtier's OffloadingConnector: vLLM's, or before 0.24 vLLM's plus kvtier's
-# metrics (kvtier.tiering_spec.vllm_legacy_metrics).
-ConnectorBase: type = importlib.import_module(
-    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
-    if SPEC_METRICS
-    else "kvtier.tiering_spec.vllm_legacy_metrics"
-).OffloadingConnector
 
-# vLLM's worker metadata class, or None on a release without one.
-WorkerMetadataBase: type | None = PORT.worker_metadata_base()
+def init_spec(spec: Any, *args: Any) -> None:
+    """vLLM's ``OffloadingSpec.__init__`` for ``spec`` as this release builds a spec: from
+    an ``OffloadingConfig``, or before 0.26 from ``(vllm_config, kv_cache_config)``, with
+    the fields of vLLM 0.32's spec derived from them (:mod:`.vllm_legacy_spec`)."""
+    if CONFIG_API:
+        OffloadingSpec.__init__(spec, *args)
+    else:
+        _legacy("vllm_legacy_spec").init_legacy_spec(spec, *args)
+
+
+def transfer_handlers(worker: Any) -> Any:
+    """A spec's transfer handlers over ``worker`` (vLLM before 0.25 asks for handlers)."""
+    return _legacy("vllm_legacy_spec").legacy_handlers(worker)
+
+
+def stand_in_for_vllms_worker(cls: type) -> None:
+    """Make ``cls`` count as vLLM's ``OffloadingWorker`` (an ABC, vLLM 0.25 and later):
+    it implements that interface whole, and inherits nothing of it. Idempotent."""
+    base: Any = PORT.worker_base()
+    if base is not object and not issubclass(cls, base):
+        base.register(cls)
+
+
+def legacy_metrics() -> Any:
+    """kvtier's connector metrics before vLLM 0.24 (:mod:`.vllm_legacy_metrics`)."""
+    return _legacy("vllm_legacy_metrics")
+
 
 # Specs as this vLLM's OffloadingConnector builds them (tools and tests build them so).
 create_spec = PORT.create_spec

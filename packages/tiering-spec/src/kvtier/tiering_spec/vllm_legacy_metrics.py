@@ -1,25 +1,24 @@
-"""vLLM's ``OffloadingConnector`` with kvtier's metrics, on vLLM releases before 0.24.
+"""kvtier's connector metrics on vLLM releases before 0.24.
 
-Imported by :mod:`kvtier.tiering_spec.vllm_compat` only on those releases (vLLM 0.23):
+Called by :mod:`kvtier.tiering_spec.connector` only on those releases (vLLM 0.23):
 there vLLM neither asks a spec to declare its metrics nor its manager for stats, and
-its connector reports worker-side transfer records only. :class:`OffloadingConnector`
-is vLLM's connector that also reports the kvtier manager's metrics, in a stats payload
-of plain data (:mod:`kvtier.tiering_spec.metrics`) with Prometheus metrics of its own.
-With a spec that is not kvtier's it reports what vLLM's connector reports.
+its connector reports worker-side transfer records only. Here kvtier's connector also
+reports the kvtier manager's metrics, in a stats payload of plain data
+(:mod:`kvtier.tiering_spec.metrics_payload`) with Prometheus metrics of its own
+(:class:`KvtierOffloadPromMetrics`). With a spec that is not kvtier's it reports what
+vLLM's connector reports.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadPromMetrics,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-    OffloadingConnector as _VllmOffloadingConnector,
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -131,39 +130,28 @@ class KvtierOffloadPromMetrics(OffloadPromMetrics):  # type: ignore[misc]
                         series.observe(observation)
 
 
-class OffloadingConnector(_VllmOffloadingConnector):  # type: ignore[misc,no-redef]
-    """vLLM's ``OffloadingConnector`` that also reports its manager's metrics."""
+def connector_stats(connector: Any, worker_records: Callable[[], Any]) -> Any:
+    """The stats of kvtier's connector on these releases: on a worker, vLLM's transfer
+    records (``worker_records``: vLLM's own ``get_kv_connector_stats``) as plain data; on
+    the scheduler, its manager's metrics."""
+    stats = KvtierOffloadingStats()
+    if connector.connector_worker is not None:
+        records = worker_records()
+        for kind, ops in (records.data if records is not None else {}).items():
+            for op in ops:
+                size = op["op_size"] if isinstance(op, dict) else op.op_size
+                seconds = op["op_time"] if isinstance(op, dict) else op.op_time
+                mp.add_transfer(stats.data, kind, size, seconds)
+        # Every step, even empty: these releases ask the scheduler side for its
+        # stats only in steps where a worker reported some.
+        return stats
+    collect = getattr(connector.connector_scheduler.manager, "collect_metrics", None)
+    for kind, name, value, labels in collect() if collect is not None else ():
+        if kind != "counter" or value:
+            mp.add_metric(stats.data, kind, name, value, labels)
+    return None if stats.is_empty() else stats
 
-    def get_kv_connector_stats(self) -> Any:
-        stats = KvtierOffloadingStats()
-        if self.connector_worker is not None:
-            records = super().get_kv_connector_stats()
-            for kind, ops in (records.data if records is not None else {}).items():
-                for op in ops:
-                    size = op["op_size"] if isinstance(op, dict) else op.op_size
-                    seconds = op["op_time"] if isinstance(op, dict) else op.op_time
-                    mp.add_transfer(stats.data, kind, size, seconds)
-            # Every step, even empty: these releases ask the scheduler side for its
-            # stats only in steps where a worker reported some.
-            return stats
-        collect = getattr(self.connector_scheduler.manager, "collect_metrics", None)
-        for kind, name, value, labels in collect() if collect is not None else ():
-            if kind != "counter" or value:
-                mp.add_metric(stats.data, kind, name, value, labels)
-        return None if stats.is_empty() else stats
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
-        return KvtierOffloadingStats(data=data) if data is not None else KvtierOffloadingStats()
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: Any,
-        metric_types: Any,
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> Any:
-        return KvtierOffloadPromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
+def build_stats(data: dict[str, Any] | None = None) -> Any:
+    """The connector's stats of ``data`` (as they travel between processes)."""
+    return KvtierOffloadingStats(data=data) if data is not None else KvtierOffloadingStats()

@@ -1,11 +1,12 @@
 """kvtier's spec base on vLLM releases before 0.26 (vLLM 0.23 to 0.25).
 
-Imported by :mod:`kvtier.tiering_spec.vllm_compat` only on those releases: a spec
+Called by :mod:`kvtier.tiering_spec.vllm_compat` only on those releases: a spec
 there is built from ``(vllm_config, kv_cache_config)``, and vLLM drives a spec's
 transfers through handlers keyed by (source, destination) medium. This module derives
 the fields of vLLM 0.32's ``OffloadingConfig`` that kvtier reads from the engine's
-configs, and serves both directions with one :class:`TransferHandler` over kvtier's
-worker, so kvtier's spec code is the same on every release.
+configs (:func:`init_legacy_spec`), and serves both directions with one
+:class:`TransferHandler` over kvtier's worker (:func:`legacy_handlers`), so kvtier's
+spec is one class on every release.
 """
 
 from __future__ import annotations
@@ -178,23 +179,23 @@ class TransferHandler:
         self.worker.shutdown()
 
 
-class LegacySpecBase(OffloadingSpec):
-    """An older vLLM's ``OffloadingSpec`` that looks like vLLM 0.32's to kvtier."""
+def init_legacy_spec(spec: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    """vLLM's ``OffloadingSpec.__init__`` as an older release runs it, then the fields of
+    vLLM 0.32's spec derived from the engine's configs: the spec then looks like vLLM
+    0.32's to kvtier."""
+    config = legacy_offloading_config(vllm_config, kv_cache_config)
+    OffloadingSpec.__init__(spec, vllm_config, kv_cache_config)
+    spec.config = config
+    spec.kv_events_config = _EventsConfig(config.enable_kv_cache_events)
+    spec.tokens_per_block = tuple(g.tokens_per_block for g in config.groups)
+    spec.tokens_per_hash = config.cache.tokens_per_hash
+    spec.blocks_per_chunk = config.cache.blocks_per_chunk
+    spec.block_size_factor = spec.blocks_per_chunk
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
-        config = legacy_offloading_config(vllm_config, kv_cache_config)
-        super().__init__(vllm_config, kv_cache_config)
-        self.config = config
-        self.kv_events_config = _EventsConfig(config.enable_kv_cache_events)
-        self.tokens_per_block = tuple(g.tokens_per_block for g in config.groups)
-        self.tokens_per_hash = config.cache.tokens_per_hash
-        self.blocks_per_chunk = config.cache.blocks_per_chunk
-        self.block_size_factor = self.blocks_per_chunk
 
-    def get_worker(self, kv_caches: Any) -> Any:
-        raise NotImplementedError
-
-    def get_handlers(self, kv_caches: Any) -> Iterator[tuple[type, type, Any]]:
-        handler = TransferHandler(self.get_worker(kv_caches))
-        yield GPULoadStoreSpec, CPULoadStoreSpec, handler
-        yield CPULoadStoreSpec, GPULoadStoreSpec, handler
+def legacy_handlers(worker: Any) -> Iterator[tuple[type, type, Any]]:
+    """An older vLLM's transfer handlers of a spec: one :class:`TransferHandler` over the
+    spec's worker, for both directions."""
+    handler = TransferHandler(worker)
+    yield GPULoadStoreSpec, CPULoadStoreSpec, handler
+    yield CPULoadStoreSpec, GPULoadStoreSpec, handler

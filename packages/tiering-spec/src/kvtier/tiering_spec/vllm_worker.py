@@ -17,8 +17,9 @@ from kvtier.tiering_spec.worker import OffloadTransferWorker
 logger = logging.getLogger("kvtier.tiering_spec")
 
 
-class KvtierOffloadingWorker(compat.WorkerBase):  # type: ignore[misc,valid-type]
-    """vLLM's ``OffloadingWorker`` over :class:`OffloadTransferWorker`.
+class KvtierOffloadingWorker:
+    """vLLM's ``OffloadingWorker`` over :class:`OffloadTransferWorker` (it counts as one:
+    :func:`.vllm_compat.stand_in_for_vllms_worker`).
 
     vLLM asserts that every transfer succeeds. Under kvtier's connector
     (:mod:`kvtier.tiering_spec.connector`, which sets ``failures_reported``), a job
