@@ -1,6 +1,8 @@
-"""What vLLM's tiering metrics say of one secondary tier beside the tier's own counters
-(no vLLM import): back-pressure (stores and blocks dropped, the store latency EMA) and
-the delays of its lookups, kept until the metrics take them.
+"""What the tier manager counts for the metrics (no vLLM import): its cumulative
+counters (:class:`TierCounters`), and what vLLM's tiering metrics say of one secondary
+tier beside the tier's own counters (:class:`TierFlow`): back-pressure (stores and
+blocks dropped, the store latency EMA) and the delays of its lookups, kept until the
+metrics take them.
 
 The meanings are those of vLLM's ``TieringOffloadingMetrics``:
 
@@ -77,3 +79,21 @@ class TierFlow:
         taken = self.sync_delays, self.async_delays
         self.sync_delays, self.async_delays = [], []
         return taken
+
+
+@dataclass
+class TierCounters:
+    """Cumulative counters of the manager (blocks unless named otherwise)."""
+
+    host_queries: int = 0
+    host_hits: int = 0
+    store_failures: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    promotion_allocation_failures: int = 0
+    promotions_deferred: int = 0
+    writes_submitted: int = 0
+    writes_dropped: int = 0
+    write_failures: int = 0
+    jobs_submitted: int = 0
+    allocation_sizes: list[int] = field(default_factory=list)

@@ -1,0 +1,190 @@
+"""The secondary tiers' jobs, as the tier manager runs them: write-throughs held for
+each tier, one job per tier, operation and request submitted at the end of a pass or
+step, and the tiers' results applied to the host tier. No vLLM import.
+
+:class:`TierJobs` is a part of :class:`~kvtier.tiering_spec.manager.TierManager`, on the
+manager's own state (declared below).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+from kvtier.blockpool import Hold, HostBlockPool
+from kvtier.tiering_spec.tier_flow import TierCounters, TierFlow
+from kvtier.tiering_spec.tiers.base import SecondaryTier, TierFault, TierJob, TierResult
+
+
+class TierJobs:
+    """Submitting the secondary tiers' jobs and applying their results."""
+
+    # The manager's state these methods use (see TierManager.__init__).
+    pool: HostBlockPool
+    secondary_tiers: list[SecondaryTier]
+    max_write_backlog: int
+    counters: TierCounters
+    flows: list[TierFlow]
+    _queued: dict[tuple[int, str, str], list[tuple[bytes, bytes, int]]]
+    _write_drops: dict[tuple[int, str], int]
+    _stores: int
+    _job_ids: Iterator[int]
+    _promoting: dict[bytes, int]
+    _load_sources: OrderedDict[bytes, str]
+    _refused: OrderedDict[bytes, int]
+    _fresh: OrderedDict[bytes, int]
+    _step: int
+
+    def _digest(self, key: bytes) -> bytes:
+        raise NotImplementedError
+
+    def _leave_room(self, key: bytes) -> None:
+        raise NotImplementedError
+
+    def _write_through(self, keys: Sequence[bytes]) -> None:
+        """Hold the new blocks for each tier's write now; submit them as one job per
+        tier at the end of the step."""
+        pool = self.pool
+        self._stores += 1
+        store = f"store-{self._stores}"
+        for idx, tier in enumerate(self.secondary_tiers):
+            room = self.max_write_backlog - pool.held(Hold.TIER_WRITE)
+            wanted: list[tuple[bytes, bytes]] = []
+            dropped = 0
+            for key in keys:
+                if not pool.contains(key):
+                    continue
+                digest = self._digest(key)
+                if tier.has(digest):
+                    continue
+                if room <= 0:
+                    self.counters.writes_dropped += 1
+                    dropped += 1
+                    continue
+                room -= 1
+                wanted.append((key, digest))
+            if wanted:
+                blocks = pool.hold([key for key, _ in wanted], Hold.TIER_WRITE)
+                self._queued[(idx, "write", store)] = [
+                    (key, digest, block) for (key, digest), block in zip(wanted, blocks)
+                ]
+                if dropped:  # counted with what the tier drops of the job (flush)
+                    self._write_drops[(idx, store)] = dropped
+            else:
+                self.flows[idx].dropped(dropped)
+
+    def flush(self) -> None:
+        """Submit what waits: one job per tier, operation and request (or device store).
+        A read a tier refuses gives its reserved block back and its key a MISS for
+        ``FRESH_STEPS`` steps; a refused write releases its hold."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, {}
+        pool = self.pool
+        for (idx, op, request), items in queued.items():
+            job = TierJob(next(self._job_ids), op, request, items)
+            tier = self.secondary_tiers[idx]
+            refused_before = tier.stats.writes_dropped
+            started = tier.submit(job)
+            self.counters.jobs_submitted += 1
+            if op == "write":
+                drops = self._write_drops.pop((idx, request), 0) if self._write_drops else 0
+                self.flows[idx].dropped(drops + tier.stats.writes_dropped - refused_before)
+            for (key, _digest, _block), ok in zip(items, started):
+                if ok:
+                    if op == "read":
+                        self.counters.promotions += 1
+                    else:
+                        self.counters.writes_submitted += 1
+                elif op == "read":
+                    if self._promoting.pop(key, None) is not None:
+                        pool.complete_store([key], success=False)
+                        self._leave_room(key)
+                    self._load_sources.pop(key, None)
+                    self._refused[key] = self._step
+                else:
+                    pool.release([key], Hold.TIER_WRITE)
+
+    # ------------------------------------------------------------------ completion
+
+    def poll(self) -> None:
+        """Apply the secondary tiers' finished reads and writes to the host tier (each
+        result labelled with its job; a job whose items are all back is over, the tier's
+        to count). Every tier is polled,
+        jobs in flight or not: a poll also takes in what the tier found on its own (a
+        start-up scan, files other engines wrote, probe answers)."""
+        pool = self.pool
+        for idx, tier in enumerate(self.secondary_tiers):
+            results = tier.results()
+            written: dict[bytes, int] = {}  # write holds to end, ended together below
+            try:
+                self._apply(results, written, self.flows[idx])
+            finally:
+                if written:
+                    pool.release(
+                        [key for key, n in written.items() for _ in range(n)], Hold.TIER_WRITE
+                    )
+
+    def _apply(self, results: list[TierResult], written: dict[bytes, int], flow: TierFlow) -> None:
+        """Apply one tier's ``results`` (see :meth:`poll`); the write holds to end are
+        counted into ``written``, completed writes into the tier's ``flow``."""
+        pool = self.pool
+        for res in results:
+            if res.op == "release":  # a timed-out read's late call is over
+                if pool.holds(res.key, Hold.LATE_READ):
+                    pool.release([res.key], Hold.LATE_READ)
+                    pool.complete_store([res.key], success=False)
+                continue
+            if res.op == "read":
+                if self._promoting.pop(res.key, None) is None:
+                    continue
+                if not res.ok:
+                    self._leave_room(res.key)
+                if res.fault == TierFault.TIMEOUT:
+                    # The call may still write into the block: keep it reserved
+                    # until the tier releases it; the lookup misses meanwhile.
+                    if pool.is_storing(res.key):
+                        pool.hold([res.key], Hold.LATE_READ)
+                    self.counters.promotion_failures += 1
+                    self._load_sources.pop(res.key, None)
+                    continue
+                pool.complete_store([res.key], success=res.ok)
+                if res.ok:
+                    # A promotion is a use (a request asked for the key), for every
+                    # policy: one that scores by use keeps it above keys nobody
+                    # asked for lately, so promotions do not evict each other.
+                    pool.touch([res.key])
+                    if res.key not in self._fresh:
+                        pool.hold([res.key], Hold.PROMOTION)  # until vLLM loads it
+                        self._fresh[res.key] = self._step
+                else:
+                    self.counters.promotion_failures += 1
+                    self._load_sources.pop(res.key, None)
+            elif res.op == "write":
+                # (A write of the pool before a reset holds nothing in this one.)
+                ended = written.get(res.key, 0)
+                if pool.holds(res.key, Hold.TIER_WRITE) > ended:
+                    written[res.key] = ended + 1
+                if not res.ok:
+                    self.counters.write_failures += 1
+                else:
+                    flow.write_completed(res.seconds, res.nbytes)
+
+    # ------------------------------------------------------------------ in flight
+
+    def has_pending_work(self) -> bool:
+        """Whether tier jobs wait or are in flight (the engine must keep stepping)."""
+        return bool(self._queued) or any(t.in_flight for t in self.secondary_tiers)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for every fs job (at most ``timeout`` seconds in all); False if some
+        are still running (counted as ``timeout`` faults of their tiers)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.flush()
+        done = True
+        for tier in self.secondary_tiers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = tier.drain(left) and done
+        self.poll()
+        return done
