@@ -273,17 +273,7 @@ class _HostTier:
             store_threshold=s.store_threshold,
             max_tracker_size=s.max_tracker_size,
         )
-        return SchedulerSide(
-            core=core,
-            regions=None,
-            new_pool=self.new_pool,
-            tiering=False,
-            settings=s,
-            no_loads_reason=None,
-            lora_enabled=False,
-            info_row={},
-            facts=self.offload.facts,
-        )
+        return SchedulerSide(core, None, self.new_pool, offload=self.offload, info_row={})
 
 
 class CPUOffloadingManager(KvtierOffloadingManager):

@@ -45,23 +45,15 @@ class SchedulerSide:
         core: the tier manager (host pool and secondary tiers).
         regions: the host regions the secondary tiers map (None without tiers).
         new_pool: a fresh empty pool as the settings configure it (``reset_cache``).
-        tiering: the multi-tier spec (its metrics are labelled by tier).
-        settings: the validated configuration.
-        no_loads_reason: why nothing may be loaded into this engine, or None.
-        lora_enabled: whether requests may carry a LoRA adapter (None: not known).
+        offload: what it was built from (the engine's facts, the settings).
         info_row: the host tier's sizing as vLLM's CPU tier publishes it.
-        facts: the engine's facts it was built for.
     """
 
     core: TierManager
     regions: AttachedRegions | None
     new_pool: Callable[[], HostBlockPool]
-    tiering: bool
-    settings: OffloadConfig
-    no_loads_reason: str | None
-    lora_enabled: bool | None
+    offload: Offload
     info_row: dict[str, Any]
-    facts: OffloadFacts
 
 
 @dataclass
@@ -229,15 +221,7 @@ class Offload:
             max_tracker_size=settings.max_tracker_size,
         )
         self._scheduler = SchedulerSide(
-            core=core,
-            regions=attached,
-            new_pool=self.new_pool,
-            tiering=self.tiering,
-            settings=settings,
-            no_loads_reason=self.no_loads_reason,
-            lora_enabled=self.lora_enabled,
-            info_row=self.config_info_row(),
-            facts=self.facts,
+            core, attached, self.new_pool, offload=self, info_row=self.config_info_row()
         )
         if self.no_loads_reason is not None:
             logger.warning(

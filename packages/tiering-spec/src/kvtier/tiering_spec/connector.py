@@ -116,13 +116,13 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
             lookups.sliding_window_scans(scheduler)  # (hybrid models' window groups)
             # Hits within the step's budget load before its forward pass (vLLM 0.33
             # does it itself; this is the same for 0.32).
-            side = manager.side
+            offload = manager.side.offload
             sync_loads.enable(
                 scheduler,
-                side.settings.sync_load_budget_bytes,
-                side.facts.worker_kv_bytes_per_block,
+                offload.settings.sync_load_budget_bytes,
+                offload.facts.worker_kv_bytes_per_block,
             )
-            self._kvtier_events = side.facts.kv_events
+            self._kvtier_events = offload.facts.kv_events
             transfer = self._vllm_config.kv_transfer_config
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 logger.info(

@@ -85,7 +85,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self._pass_secondary = True
         self.core = side.core
         self._regions = side.regions
-        self._metrics = MetricsEmitter(self.core, tiering=side.tiering)
+        self._metrics = MetricsEmitter(self.core, tiering=side.offload.tiering)
         self._hit_sources: dict[str, Any] = {}  # a tier's name -> vLLM's CacheHitSource
         self._failed_stores: list[list[OffloadKey]] = []  # for metadata-only removals
         self._resets = 0  # reset_cache calls: what a request noted before one is stale
@@ -94,13 +94,13 @@ class KvtierOffloadingManager(OffloadingManager):
         """vLLM 0.33's info labels: the host tier's sizing; with secondary tiers, a row
         for each tier labelled as in the tiering metrics (``CPU``, then the tiers')."""
         host = self.side.info_row
-        if not self.side.tiering:
+        if not self.side.offload.tiering:
             return [host]
         label = m.TIER_LABEL
         return [{**host, label: m.HOST_TIER}] + [{label: t.name} for t in self.core.secondary_tiers]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        if self.side.no_loads_reason is not None:
+        if self.side.offload.no_loads_reason is not None:
             return compat.lookup_result(Lookup.MISS)
         return compat.lookup_result(
             self.core.lookup(key, req_context.req_id, secondary=self._pass_tiers(req_context))
@@ -109,7 +109,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def lookup_answers(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> Iterator[Any]:
         """:meth:`lookup` of each of ``keys``, lazily: one generator for a scan that stops
         where it has its answer (kvtier-vllm-port's sliding-window scan)."""
-        miss = self.side.no_loads_reason is not None
+        miss = self.side.offload.no_loads_reason is not None
         secondary = miss or self._pass_tiers(req_context)
         lookup, convert, req_id = self.core.lookup, compat.lookup_result, req_context.req_id
         for key in keys:
@@ -129,7 +129,7 @@ class KvtierOffloadingManager(OffloadingManager):
         """:meth:`lookup` of ``keys`` in order up to the first miss, in one call (see
         :mod:`kvtier.vllm_port.lookups`): how many keys lead up to it, and None when all
         are hits, else whether each is a hit (False: pending). Never "retry"."""
-        if self.side.no_loads_reason is not None:
+        if self.side.offload.no_loads_reason is not None:
             return 0, None
         return self.core.lookup_prefix(
             cast(Sequence[bytes], keys),
@@ -149,7 +149,7 @@ class KvtierOffloadingManager(OffloadingManager):
         mark = compat.PORT.request_state(req_context, _RequestTiers)
         if mark is not None:
             return mark.secondary
-        if self.side.lora_enabled is False:
+        if self.side.offload.lora_enabled is False:
             return True  # vLLM refuses LoRA requests when LoRA is off
         self._log_once(
             "unknown",
@@ -157,7 +157,7 @@ class KvtierOffloadingManager(OffloadingManager):
             "LoRA may be on (vLLM's config %s), so kvtier cannot tell whether its blocks "
             "were computed with an adapter: such requests use the host tier only, never "
             "the fs or mooncake tiers",
-            "enables it" if self.side.lora_enabled else "was not found",
+            "enables it" if self.side.offload.lora_enabled else "was not found",
         )
         return False
 
