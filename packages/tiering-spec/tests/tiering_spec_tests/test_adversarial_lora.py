@@ -51,6 +51,7 @@ class SchedulerHelper:
     def __init__(self, manager: Any) -> None:
         self.manager = manager
         self.contexts: dict[str, Any] = {}
+        self._req_status: dict[str, Any] = {}
 
     def on_new_request(self, request: Any) -> None:
         from vllm.v1.kv_offload.base import ReqContext
@@ -58,6 +59,8 @@ class SchedulerHelper:
         ctx = ReqContext(req_id=request.request_id)
         self.manager.on_new_request(ctx)
         self.contexts[request.request_id] = ctx
+        # vLLM keeps the context with the request's state (read by kvtier-vllm-port).
+        self._req_status[request.request_id] = SimpleNamespace(req_context=ctx)
 
 
 class EngineStart:

@@ -276,14 +276,16 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
     # -- scheduler side -------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        # Only the connector sees vLLM's Request: tell kvtier's manager whether it runs
-        # with a LoRA adapter before vLLM hands the manager the request's context.
-        manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
-        if isinstance(manager, KvtierOffloadingManager):
-            manager.note_new_request(
-                request.request_id, getattr(request, "lora_request", None) is not None
-            )
         super().on_new_request(request)
+        # Only the connector sees vLLM's Request: tell kvtier's manager, on the context
+        # vLLM just made for the request, whether it runs with a LoRA adapter (where
+        # vLLM keeps no context the manager treats the request as it may carry one).
+        scheduler = getattr(self, "connector_scheduler", None)
+        manager = getattr(scheduler, "manager", None)
+        if isinstance(manager, KvtierOffloadingManager):
+            context = compat.PORT.request_context(scheduler, request.request_id)
+            if context is not None:
+                manager.note_lora(context, getattr(request, "lora_request", None) is not None)
 
     def take_events(self) -> Any:
         if self._kvtier_manager is not None and not self._kvtier_events:

@@ -283,7 +283,7 @@ def replay(
 
     HIT, MISS = LookupResult.HIT, LookupResult.MISS
     core: Any = getattr(manager, "core", None)  # kvtier's TierManager, else vLLM's manager
-    note_new = getattr(manager, "note_new_request", None)
+    note_lora = getattr(manager, "note_lora", None)
     fs = bool(core is not None and core.secondary_tiers)
     counters = core.counters if core is not None else None
     stats = RunStats()
@@ -292,9 +292,9 @@ def replay(
     for i, req_keys in enumerate(keys):
         req_id = f"req-{i}"
         ctx = ReqContext(req_id=req_id)
-        if note_new is not None:  # kvtier's connector announces each request (LoRA or not)
-            note_new(req_id, False)
         manager.on_new_request(ctx)
+        if note_lora is not None:  # kvtier's connector marks each request (LoRA or not)
+            note_lora(ctx, False)
         position = ctx.set_offload_key_position
         for n, key in enumerate(req_keys, 1):
             position(key, n * BLOCK_TOKENS)

@@ -71,15 +71,13 @@ class KvtierOffloadingManager(OffloadingManager):
     A request with a LoRA adapter uses the host tier only: vLLM's block hashes name the
     adapter (0.23: its name; 0.32: its name and path), never its weights, so a file or
     object in a persistent tier could outlive the adapter it was computed with. kvtier's
-    connector tells the manager which requests carry one (:meth:`note_new_request`);
+    connector tells the manager which requests carry one (:meth:`note_lora`);
     a request it did not announce uses the secondary tiers only where vLLM's config
     shows LoRA off.
     """
 
     def __init__(self, side: SchedulerSide) -> None:
         self.side = side
-        # (request id, whether it has a LoRA adapter) of the request being added now.
-        self._arriving: tuple[str, bool] | None = None
         self._logged: set[str] = set()
         self._pass_context: ReqContext | None = None
         self._pass_secondary = True
@@ -137,10 +135,18 @@ class KvtierOffloadingManager(OffloadingManager):
             secondary=self._pass_tiers(req_context),
         )
 
-    def note_new_request(self, req_id: str, has_lora: bool) -> None:
-        """Called by kvtier's connector just before vLLM adds the request ``req_id``
-        (``on_new_request``): whether it runs with a LoRA adapter."""
-        self._arriving = (req_id, has_lora)
+    def note_lora(self, req_context: ReqContext, has_lora: bool) -> None:
+        """Called by kvtier's connector once vLLM added the request of ``req_context``
+        (only the connector sees vLLM's ``Request``): whether it runs with a LoRA
+        adapter. Such a request keeps to the host tier."""
+        compat.PORT.set_request_state(req_context, _RequestTiers(secondary=not has_lora))
+        if has_lora and self.core.secondary_tiers:
+            self._log_once(
+                "lora",
+                "kvtier: requests with a LoRA adapter use the host tier only, never the "
+                "fs or mooncake tiers: vLLM's block hashes name an adapter, not its "
+                "weights, so KV kept across restarts could outlive a retrained adapter",
+            )
 
     def _secondary(self, req_context: ReqContext) -> bool:
         """Whether the request may read and write the secondary (persistent) tiers."""
@@ -261,17 +267,6 @@ class KvtierOffloadingManager(OffloadingManager):
                 self._failed_stores.append(failed)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        arriving, self._arriving = self._arriving, None
-        if arriving is not None and arriving[0] == req_context.req_id:
-            has_lora = arriving[1]
-            compat.PORT.set_request_state(req_context, _RequestTiers(secondary=not has_lora))
-            if has_lora and self.core.secondary_tiers:
-                self._log_once(
-                    "lora",
-                    "kvtier: requests with a LoRA adapter use the host tier only, never the "
-                    "fs or mooncake tiers: vLLM's block hashes name an adapter, not its "
-                    "weights, so KV kept across restarts could outlive a retrained adapter",
-                )
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:

@@ -259,6 +259,14 @@ class VllmPort(abc.ABC):
             return None
         return list(status.keys)
 
+    def request_context(self, scheduler: Any, req_id: str) -> Any | None:
+        """The per-request context (``ReqContext``) that ``scheduler`` (vLLM's
+        ``OffloadingConnectorScheduler``) made for ``req_id`` and handed its manager, or
+        None where it keeps none (it keeps them privately, with the request's state)."""
+        states = getattr(scheduler, "_req_status", None)
+        state = states.get(req_id) if isinstance(states, dict) else None
+        return getattr(state, "req_context", None)
+
     # -- block hashes ----------------------------------------------------------------
 
     @property
