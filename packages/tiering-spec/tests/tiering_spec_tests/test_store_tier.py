@@ -110,7 +110,7 @@ def test_another_engines_object_is_found_by_a_background_check(make_tier, master
     data = region_a.fill(0, 0, 9)
     assert a.submit_write(b"shared", digest, 0)
     assert settle(a)[0].ok
-    b._absent.clear()  # past the negative-cache time
+    b._probe_cache._absent.clear()  # past the negative-cache time
     assert b.contains(digest) is None
     b.wait_probes()
     assert b.contains(digest) is True
