@@ -146,20 +146,16 @@ class _KvtierSpec(OffloadingSpec):
         self.offload: Offload = build(
             facts, self.settings, tiering=self.TIERING, name=type(self).__name__
         )
-        # What vLLM (and tools written for its specs) read of a spec, from the build.
+        # What vLLM (and tools written for its specs) read of a spec, from the build;
+        # the rest is the offload's (self.offload).
         sizing = self.offload.sizing
-        self.world_size = max(1, facts.world_size)
-        self.rank = facts.rank
         self.replicated_layout = sizing.replicated_layout
         self.num_copies = sizing.num_copies
-        self.sub_block_bytes = sizing.sub_block_bytes
         self.chunk_bytes = sizing.chunk_bytes
         self.kv_bytes_per_chunk = sizing.kv_bytes_per_chunk
         self.cpu_page_size_per_worker = sizing.cpu_page_size_per_worker
         self.num_chunks = sizing.num_chunks
         self.budget_description = sizing.budget_description
-        self.no_loads_reason = self.offload.no_loads_reason
-        self.lora_enabled = self.offload.lora_enabled
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
