@@ -835,6 +835,34 @@ def tier_rows(mgr: TierManager) -> RecordingSink:
     return sink
 
 
+def test_a_store_larger_than_the_host_tier_stores_its_head(make_tier) -> None:
+    """A store of more new blocks than the host tier has could never be given room:
+    with a secondary tier its leading blocks that fit now are stored (and written
+    through), the rest is not; a store that fits once writes land is refused (vLLM
+    asks again), and without a secondary tier any store that finds no room is refused,
+    as vLLM's manager does."""
+    region = Region(4)
+    tier = make_tier(region)
+    mgr = TierManager(HostBlockPool(4), [tier], max_write_backlog=64)
+    keys = [b"k%d" % i for i in range(6)]
+    plan = mgr.prepare_store(keys)
+    assert plan is not None
+    assert plan[0] == keys[:4], "the head of the store, in order"
+    mgr.complete_store(plan[0])
+    settle(mgr)
+    assert all(tier.has(key_digest(k)) for k in keys[:4])
+    assert not any(mgr.pool.contains(k) or mgr.pool.is_storing(k) for k in keys[4:])
+    # Two blocks pinned by loads: a store of three fits in the tier but not now.
+    mgr.prepare_load(keys[:2])
+    assert mgr.prepare_store([b"x", b"y", b"z"]) is None
+    # Five never fit: the two the pins leave free are taken, head first.
+    plan = mgr.prepare_store([b"p%d" % i for i in range(5)])
+    assert plan is not None and plan[0] == [b"p0", b"p1"]
+    mgr.pool.check_invariants()
+    host_only = TierManager(HostBlockPool(4))
+    assert host_only.prepare_store(keys) is None, "host tier alone: vLLM's answer"
+
+
 def test_back_pressure_counts_stores_and_blocks_dropped_per_tier(make_tier) -> None:
     """vLLM's meanings: a store is one device store's write-through to a tier, dropped
     when a block of it was not written; the blocks are counted beside it."""

@@ -46,6 +46,7 @@ from kvtier.blockpool import (
     HostBlockPool,
     PoolStats,
     StoreAdmissionFilter,
+    StorePlan,
 )
 from kvtier.tiering_spec.tier_flow import TierCounters, TierFlow
 from kvtier.tiering_spec.tier_jobs import TierJobs
@@ -132,6 +133,7 @@ class TierManager(TierJobs):
         self._refused: OrderedDict[bytes, int] = OrderedDict()
         self._job_ids = itertools.count(1)
         self._stores = 0
+        self._cut_logged = False  # the first store cut to the host tier's room was logged
         self.max_promoting = max(1, pool.num_blocks // 2)
         # The tiers' name of each key in use, computed once (a lookup, a write-through,
         # touches and the request's end all need it); forgotten all at once when full.
@@ -324,10 +326,45 @@ class TierManager(TierJobs):
             }
             if wanted:
                 self.counters.allocation_sizes.append(len(wanted))
-            return None
+            plan = self._store_leading(keys, wanted) if self.secondary_tiers else None
+            if plan is None:
+                return None
+            return plan.keys, plan.block_ids, plan.evicted  # (sampled above, once)
         if plan.keys:
             self.counters.allocation_sizes.append(len(plan.keys))
         return plan.keys, plan.block_ids, plan.evicted
+
+    def _store_leading(self, keys: Sequence[bytes], wanted: Collection[bytes]) -> StorePlan | None:
+        """The store of ``keys`` (new ones: ``wanted``) found no room. If it could
+        never fit (more new blocks than the host tier has: a prompt larger than the host
+        tier), reserve its leading keys that fit now: they go through the host tier to
+        the secondary tiers, and the rest is not stored. Else None: vLLM asks again
+        next step, when the tiers' writes in flight may have released their blocks."""
+        pool = self.pool
+        room = pool.num_free + pool.num_cached - pool.num_read_pinned
+        if room <= 0 or len(wanted) <= pool.num_blocks:
+            return None
+        lead: list[bytes] = []
+        taken = 0
+        for key in keys:
+            if key in wanted:
+                if taken == room:
+                    break
+                taken += 1
+            elif pool.block_of(key) is None:
+                continue  # (not admitted yet: the admission filter counted it)
+            lead.append(key)
+        plan = pool.prepare_store(lead)
+        if plan is not None and plan.keys and not self._cut_logged:
+            self._cut_logged = True
+            logger.info(
+                "kvtier: a store of %d blocks is larger than the host tier can hold for "
+                "it; its first %d go through the host tier to the secondary tiers, the "
+                "rest is recomputed when asked again",
+                len(wanted),
+                len(plan.keys),
+            )
+        return plan
 
     def complete_store(
         self, keys: Sequence[bytes], success: bool = True, *, secondary: bool = True
