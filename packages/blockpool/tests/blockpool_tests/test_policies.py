@@ -167,6 +167,36 @@ def test_frecency_halves_uses_when_lru_would_have_hit_more() -> None:
     assert policy._seen["old"].uses == 2
 
 
+@pytest.mark.parametrize("comes_back", ["insert", "touch", "touch_prefix"])
+def test_frecency_halves_a_ghosts_uses_when_it_comes_back(comes_back: str) -> None:
+    """A halving goes over the cached keys only; a ghost's uses are halved when it is
+    next stored or used, to what halving them at once would have given."""
+    policy = FrecencyPolicy(2)
+    policy.insert(["g"])
+    policy.touch_prefix(["g"], ())
+    for _ in range(3):
+        policy.touch_prefix(["g"], {"g"})
+    assert policy.evict(1, lambda key: key == "g") == ["g"]  # a ghost with four uses
+    policy.insert(["old"])
+    policy.touch_prefix(["old"], ())
+    for _ in range(3):
+        policy.touch_prefix(["old"], {"old"})
+    policy.insert(["x"])
+    policy.touch_prefix(["x"], ())
+    for _ in range(2):  # as above: one halving
+        assert policy.evict(1, lambda key: key == "x") == ["x"]
+        policy.insert(["x"])
+        policy.touch_prefix(["x"], ())
+    assert policy._seen["old"].uses == 2
+    if comes_back == "insert":
+        policy.insert(["g"])
+        assert policy._seen["g"].uses == 2
+    else:
+        getattr(policy, comes_back)(["g"], *([()] if comes_back == "touch_prefix" else []))
+        assert policy._seen["g"].uses == 3, "4 halved, plus this use"
+    assert policy.score("g") == 2 + (comes_back != "insert") + policy._seen["g"].clock
+
+
 class EvictNewestFirst:
     """A custom policy for the plug-in test: most recently inserted goes first."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
 from heapq import heapify, heappop, heappush
+from math import ldexp
 
 from kvtier.blockpool.policy_base import NO_KEY, Key
 
@@ -17,10 +18,15 @@ class _Entry:
     """What frecency knows of a cached key or a ghost. A touch writes three fields in
     place: an object with slots holds them inline, one memory read away."""
 
-    __slots__ = ("clock", "item", "order", "restored", "stored_at", "uses")
+    __slots__ = ("clock", "halvings", "item", "order", "restored", "stored_at", "uses")
 
-    def __init__(self, clock: float, order: int, item: tuple[float, int, Key]) -> None:
+    def __init__(
+        self, clock: float, order: int, item: tuple[float, int, Key], halvings: int
+    ) -> None:
         self.uses: float = 0  # uses so far (halved as tuned)
+        # The policy's halvings already applied to ``uses``: a ghost's uses are halved
+        # when it is next used or stored (a halving goes over the cached keys only).
+        self.halvings = halvings
         self.clock = clock  # the virtual clock at the last use
         self.stored_at = -1  # blocks stored before the last use (-1: never used)
         self.restored = False  # stored again since: its next use was a miss
@@ -52,7 +58,10 @@ class FrecencyPolicy:
     (it is used whenever the tail is) and eviction takes a prefix from its tail.
     Keys that left the cache keep their uses as *ghosts*, at most
     ``max(GHOST_KEYS, 4 * capacity)``, the first evicted forgotten first: a
-    conversation that comes back after its blocks were evicted is known again.
+    conversation that comes back after its blocks were evicted is known again. A
+    halving goes over the cached keys only; a ghost's uses are halved as often when it
+    is next used or stored, so its score is the same, and a halving costs what the
+    cached keys cost, not the ghosts (four times as many, and 64,000 at least).
 
     A use writes its key's entry and nothing else: each cached key is queued once, with
     the score it had when queued (a lower bound, as scores only grow between halvings).
@@ -66,6 +75,7 @@ class FrecencyPolicy:
         "_distances",
         "_fresh",
         "_ghosts",
+        "_halvings",
         "_heap",
         "_lead",
         "_next_tune",
@@ -105,21 +115,24 @@ class FrecencyPolicy:
         # heap while the pool's generation says no key became evictable since.
         self._parked: list[tuple[float, int, Key]] = []
         self._parked_gen: int | None = None
+        self._halvings = 0  # halvings of the uses so far (see _Entry.halvings)
 
     def insert(self, keys: Sequence[Key]) -> None:
         """``keys`` entered the cache; a ghost gets its uses back."""
         seen, ghosts, heap, fresh = self._seen, self._ghosts, self._heap, self._fresh
-        clock, order = self.clock, self._order
+        clock, order, halvings = self.clock, self._order, self._halvings
         for key in reversed(keys):  # the tail first: it goes first among equals
             entry = seen.get(key)
             order += 1
             if entry is None:
                 item = (clock, order, key)
-                seen[key] = _Entry(clock, order, item)
+                seen[key] = _Entry(clock, order, item, halvings)
                 fresh.append(item)
                 continue
             if ghosts.pop(key, NO_KEY) is not NO_KEY and entry.stored_at >= 0:
                 entry.restored = True  # stored again: its next use was a miss
+            if entry.halvings != halvings:
+                self._catch_up(entry)
             item = entry.item = (entry.uses + entry.clock, entry.order, key)
             heappush(heap, item)
         self._order = order
@@ -132,9 +145,11 @@ class FrecencyPolicy:
         """``keys`` were used, head first: each counts one use. vLLM before 0.32 calls
         this for a request's keys at every store, so it is kept lean: it feeds neither
         the reuse distances nor the comparison with LRU. Unknown keys are ignored."""
-        clock, order = self.clock, self._order
+        clock, order, halvings = self.clock, self._order, self._halvings
         for entry in map(self._seen.get, reversed(keys)):
             if entry is not None:
+                if entry.halvings != halvings:
+                    self._catch_up(entry)
                 order += 1
                 entry.uses += 1
                 entry.clock = clock
@@ -147,10 +162,13 @@ class FrecencyPolicy:
         it hit where LRU would have. Unknown keys are ignored."""
         distances = self._distances
         clock, now, capacity, order = self.clock, self.stored, self.capacity, self._order
+        halvings = self._halvings
         reuses = lead = 0  # lead: reuses that hit, less those LRU would have hit
         for entry in map(self._seen.get, reversed(keys)):
             if entry is None:
                 continue
+            if entry.halvings != halvings:
+                self._catch_up(entry)
             if entry.stored_at >= 0:  # used before: a reuse
                 distance = now - entry.stored_at
                 distances[distance.bit_length()] += 1
@@ -259,21 +277,38 @@ class FrecencyPolicy:
         self._distances = [count // 2 for count in distances]
 
     def _halve_uses(self) -> None:
-        """Halve every key's uses and queue the cached keys anew with their scores."""
+        """Halve every key's uses and queue the cached keys anew with their scores. The
+        cached keys are those with a queued item that is still theirs (in the heap, the
+        FIFO or parked); a ghost's uses are halved when it is next used or stored
+        (:meth:`_catch_up`)."""
+        self._halvings += 1
+        halvings, seen = self._halvings, self._seen
         heap: list[tuple[float, int, Key]] = []
-        for entry in self._seen.values():
-            entry.uses /= 2
-            if entry.item is not _GHOST_ITEM:
-                entry.item = (entry.uses + entry.clock, entry.order, entry.item[2])
+        for queue in (self._heap, self._fresh, self._parked):
+            for item in queue:
+                entry = seen.get(item[2])
+                if entry is None or entry.item is not item:
+                    continue  # a key that left the cache, or an item queued again since
+                entry.uses = ldexp(entry.uses, entry.halvings - halvings)
+                entry.halvings = halvings
+                entry.item = (entry.uses + entry.clock, entry.order, item[2])
                 heap.append(entry.item)
         heapify(heap)
         self._heap = heap
         self._fresh.clear()
         self._parked.clear()  # every cached key is queued anew above
 
+    def _catch_up(self, entry: _Entry) -> None:
+        """Apply to a ghost's uses the halvings it missed (halving by a power of two
+        is exact, as each halving is)."""
+        entry.uses = ldexp(entry.uses, entry.halvings - self._halvings)
+        entry.halvings = self._halvings
+
     def score(self, key: Key) -> float:
         """``key``'s score now (cached keys and ghosts)."""
         entry = self._seen[key]
+        if entry.halvings != self._halvings:
+            self._catch_up(entry)
         return float(entry.uses + entry.clock)
 
     def keys_in_eviction_order(self) -> list[Key]:
