@@ -75,6 +75,34 @@ def test_files_of_an_earlier_run_are_served_after_a_restart(make_tier, tmp_path:
     assert read(again, b"old", 2).ok and region.block(0, 2) == data
 
 
+def test_a_large_start_up_scan_is_indexed_a_slice_per_poll(
+    make_tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scan's findings are indexed on the scheduler thread for at most
+    SCAN_TAKE_SECONDS a poll (at least a slice), the rest at the next polls; until
+    then an entry reads as a miss. wait_scan indexes them all."""
+    region = Region(8)
+    first = make_tier(region)
+    keys = [b"old-%d" % i for i in range(5)]
+    for i, key in enumerate(keys):
+        write(first, region, key, i, i + 1)
+    first.shutdown()
+    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SECONDS", 0.0)
+    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SLICE", 2)
+    again = make_tier(region, take_scan=False)
+    assert again.scan_done.wait(30)
+    indexed = []
+    for _ in range(3):
+        again.poll()
+        indexed.append(sum(key_digest(k) in again._index for k in keys))
+    assert indexed == [2, 4, 5], "a slice of two entries a poll, oldest first"
+    assert again.stats.files_indexed_at_start == 5
+    assert all(again.contains(key_digest(k)) for k in keys)
+    assert read(again, keys[0], 7).ok
+    third = make_tier(region, take_scan=False)
+    assert third.wait_scan(30) and third.stats.files_indexed_at_start == 5, "all at once"
+
+
 def test_another_fingerprint_does_not_see_the_files(make_tier) -> None:
     region = Region(2)
     a = make_tier(region)

@@ -72,6 +72,8 @@ _REMOVED_FAULTS = (
 )
 # How often the background thread looks for files written by other engines.
 DISCOVER_INTERVAL_S = 1.0
+# Seconds a poll may index the start-up scan's findings for, in slices of entries.
+SCAN_TAKE_SECONDS, SCAN_TAKE_SLICE = 0.001, 128
 # How long shutdown waits for I/O threads (a hung mount must not hang the engine).
 SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -194,6 +196,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         """Start the thread of the start-up scan and of the look for files other engines
         write; ``poll`` takes in what it found."""
         self._scan_result: list[Any] = []
+        self._scan_taking: tuple[Any, int] | None = None  # (report, entries indexed)
         self.scan_done = threading.Event()
         self._stop = threading.Event()
         self._disk = FsScanner(self.fsdirs, self.world_size, self.file_bytes, self.fingerprints)
@@ -266,15 +269,29 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         loaded rather than computed."""
         self._index.finish_request(digests, reused)
 
-    def _take_scan(self) -> None:
-        """Index what the start-up scan found (scheduler thread; once)."""
-        if not self._scan_result:
+    def _take_scan(self, whole: bool = False) -> None:
+        """Index what the start-up scan found (scheduler thread), ``SCAN_TAKE_SECONDS``
+        of it a call (``whole``: all): a million files would stall one step for
+        seconds. Until indexed, an entry reads as a miss, as during the scan."""
+        taking = self._scan_taking
+        if taking is None:
+            if not self._scan_result:
+                return
+            report = self._scan_result.pop()
+            if report is None:
+                return
+            taking = (report, 0)
+        (report, done), entries = taking, taking[0].entries
+        deadline, step = time.perf_counter() + SCAN_TAKE_SECONDS, SCAN_TAKE_SLICE
+        while done < len(entries):  # oldest first
+            self._index_found(entries[done : done + step])
+            done += step
+            if not whole and time.perf_counter() >= deadline:
+                break
+        if done < len(entries):
+            self._scan_taking = (report, done)
             return
-        report = self._scan_result.pop()
-        if report is None:
-            return
-        # Older than anything this run indexed: at the LRU end, oldest first.
-        self._index_found(report.entries)
+        self._scan_taking = None
         self.stats.files_indexed_at_start = len(report.entries)
         if self.capacity_is_default:
             self._capacity.reset(self._default_capacity(len(report.entries) * self.entry_bytes))
@@ -296,7 +313,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
     def wait_scan(self, timeout: float | None = None) -> bool:
         """Wait for the start-up scan and index its findings; True when done."""
         done = self.scan_done.wait(timeout)
-        self._take_scan()
+        self._take_scan(whole=True)
         return done
 
     # ----------------------------------------------------------------- paths
@@ -389,7 +406,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
 
     def poll(self) -> list[TierResult]:
         """Finished jobs since the last call; updates the index and counters."""
-        if self._scan_result:
+        if self._scan_result or self._scan_taking is not None:
             self._take_scan()
         if self._disk.waiting:
             self._take_discovered()
