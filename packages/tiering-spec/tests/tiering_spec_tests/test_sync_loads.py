@@ -75,6 +75,16 @@ def _run(model: Path, budget: int | None) -> tuple[Any, dict[str, Any]]:
 
         scheduler.schedule = scheduled
         connector.get_num_new_matched_tokens = looked_up
+        # The per-layer hooks (no-ops of vLLM's), counted where vLLM would call them.
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group()
+        seen["layer_calls"] = 0
+
+        def counted(*args: Any, **kwargs: Any) -> None:
+            seen["layer_calls"] += 1
+
+        worker.wait_for_layer_load = worker.save_kv_layer = counted
         result = run_workload(llm, WORKLOAD)
         seen["state"] = state
         seen["loads"] = state.loads if state is not None else 0
@@ -98,6 +108,8 @@ def test_hits_load_inside_the_step_and_outputs_match(tiny_model: Path, reference
     assert seen["loads"] > 0 and seen["sync_steps"] > 0, seen
     # Every hit of this workload fits the default budget: none waits a step.
     assert seen["lookups"] and not any(seen["lookups"]), seen["lookups"]
+    # No layer called the offloading connector's idle per-layer hooks.
+    assert seen["layer_calls"] == 0, seen["layer_calls"]
     cmp = compare_outputs(reference.outputs, result.outputs)
     assert cmp.identical, cmp.report()
 

@@ -74,3 +74,26 @@ def test_the_fields_are_vllms_where_this_release_has_them() -> None:
         assert reads.resumed_req_ids(CachedRequestData.make_empty()) == set()
     if "kv_connector_worker_meta" in fields(KVConnectorOutput):
         assert reads.worker_meta(KVConnectorOutput()) is None
+
+
+def test_layer_hooks_idle_only_where_both_hooks_do_nothing() -> None:
+    class Idle:
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            pass
+
+        def save_kv_layer(self, layer_name: str, kv_layer: object, attn_metadata: object) -> None:
+            """Nothing to save."""
+            return
+
+    class Saves(Idle):
+        def save_kv_layer(self, layer_name: str, kv_layer: object, attn_metadata: object) -> None:
+            self.saved = layer_name
+
+    class Waits(Idle):
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            print(layer_name)
+
+    assert reads.layer_hooks_idle(Idle)
+    assert not reads.layer_hooks_idle(Saves)
+    assert not reads.layer_hooks_idle(Waits)
+    assert not reads.layer_hooks_idle(object), "no hooks: not known to be idle"

@@ -143,6 +143,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._layer_hooks_idle = connector_reads.layer_hooks_idle(type(self))
         ktc: Any = vllm_config.kv_transfer_config
         parallel: Any = vllm_config.parallel_config
         self.config = RecomputeOffloadConfig.from_settings(
@@ -200,8 +201,17 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         ):
             self.worker.run_stores(kv_connector_metadata.plan.stores)
 
+    def has_connector_metadata(self) -> bool:
+        """vLLM asks this only around each attention layer, to decide whether to call
+        ``wait_for_layer_load`` and ``save_kv_layer``, which do nothing here: False, so
+        no layer calls them (two Python calls a layer and step fewer on the forward
+        pass). This connector's own methods ask vLLM's base class."""
+        if self._layer_hooks_idle:
+            return False
+        return bool(super().has_connector_metadata())
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self.worker is None or not self.has_connector_metadata():
+        if self.worker is None or not super().has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if isinstance(meta, RecomputeConnectorMetadata):

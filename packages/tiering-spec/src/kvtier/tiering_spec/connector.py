@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
 from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
-from kvtier.vllm_port import lookups, store_planning, sync_loads
+from kvtier.vllm_port import connector_reads, lookups, store_planning, sync_loads
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -97,7 +97,11 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         self._failed_recving: set[str] = set()
         self._held_stores: list[Any] = []  # stores to submit after the synchronous loads
         self._sync_started: frozenset[int] = frozenset()  # synchronous loads under way
+        # This step's metadata moves nothing and nothing waits (bind_connector_metadata):
+        # handle_preemptions and start_load_kv have nothing to do.
+        self._idle_step = False
         self._results_type: Any = None  # vLLM's KVConnectorTransferResults, once seen
+        self._layer_hooks_idle = connector_reads.layer_hooks_idle(type(self))
         worker = getattr(self, "connector_worker", None)
         spec = getattr(worker, "spec", None)
         if isinstance(spec, _KvtierSpec):
@@ -154,7 +158,32 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
             and not self._failed_recving
         )
 
+    def has_connector_metadata(self) -> bool:
+        """vLLM asks this only around each attention layer, to decide whether to call
+        ``wait_for_layer_load`` and ``save_kv_layer``; an offloading connector's do
+        nothing (checked on this class), so with a kvtier spec it answers False and no
+        layer calls them: two Python calls a layer and step fewer on the forward pass.
+        This connector's own methods read the metadata itself."""
+        if self._kvtier_worker_spec is not None and self._layer_hooks_idle:
+            return False
+        return bool(super().has_connector_metadata())
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._idle_step = (
+            self._kvtier_worker_spec is not None
+            and not self._held_stores
+            and not self._sync_started
+            and sync_loads.idle(self.connector_worker, connector_metadata)
+        )
+
+    def clear_connector_metadata(self) -> None:
+        self._idle_step = False
+        super().clear_connector_metadata()
+
     def handle_preemptions(self, *args: Any, **kwargs: Any) -> None:
+        if self._idle_step:
+            return  # (the metadata handed here is the one bound this step)
         meta = args[0] if args else kwargs.get("kv_connector_metadata")
         if self._kvtier_worker_spec is None or meta is None:
             super().handle_preemptions(*args, **kwargs)
@@ -168,6 +197,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         self._sync_started = sync_loads.start_sync_loads(self.connector_worker, meta)
 
     def start_load_kv(self, *args: Any, **kwargs: Any) -> None:
+        if self._idle_step:
+            return  # no load to start and no store to submit (most steps)
         if self._kvtier_worker_spec is None:
             super().start_load_kv(*args, **kwargs)
             return

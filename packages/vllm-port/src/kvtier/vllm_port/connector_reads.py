@@ -10,6 +10,7 @@ answer of a release without it), and vLLM is never imported. The recompute conne
 
 from __future__ import annotations
 
+import dis
 from typing import Any
 
 RECOMPUTE = "recompute"
@@ -66,10 +67,38 @@ def num_gpu_blocks(block_pool: Any) -> int | None:
     return None if count is None else int(count)
 
 
+_IDLE_OPS = {"RESUME", "NOP", "LOAD_CONST", "RETURN_VALUE", "RETURN_CONST", "CACHE"}
+
+
+def _does_nothing(fn: Any) -> bool:
+    """Whether ``fn`` is a plain function whose body returns None and does nothing else
+    (``pass``, a docstring, a bare ``return``)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    return all(
+        ins.opname in _IDLE_OPS
+        and (ins.opname not in ("LOAD_CONST", "RETURN_CONST") or ins.argval is None)
+        for ins in dis.get_instructions(code)
+    )
+
+
+def layer_hooks_idle(cls: type) -> bool:
+    """Whether ``cls``'s per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``)
+    do nothing: plain functions whose body is ``pass`` (or a bare ``return``), as vLLM's
+    ``OffloadingConnector`` has them on 0.23 to 0.33. vLLM calls both around every
+    attention layer of every step unless ``has_connector_metadata()`` answers False
+    (its only use in vLLM), so a connector whose hooks are idle may answer False."""
+    return all(
+        _does_nothing(getattr(cls, name, None)) for name in ("wait_for_layer_load", "save_kv_layer")
+    )
+
+
 __all__ = [
     "additional_config",
     "block_hashes",
     "kv_load_failure_policy",
+    "layer_hooks_idle",
     "num_gpu_blocks",
     "recompute_failed_loads",
     "resumed_req_ids",
