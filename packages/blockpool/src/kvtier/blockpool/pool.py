@@ -179,7 +179,7 @@ class HostBlockPool(PoolHolds):
         # when too few, no walk of the policy can find n (a pool pinned full stays O(1)).
         pins = self._pins
         spared = sum(1 for k in protected if k not in pins) if protected else 0
-        if len(table) - self._num_storing - len(pins) - spared < n:
+        if self.num_evictable - spared < n:
             return None
         if self._frecency is not None:
             victims = self._frecency.evict(
@@ -338,6 +338,12 @@ class HostBlockPool(PoolHolds):
     @property
     def num_cached(self) -> int:
         return len(self._keys) - self._num_storing
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached keys no hold pins: what a store may evict (pins are on cached keys
+        only)."""
+        return len(self._keys) - self._num_storing - len(self._pins)
 
     @property
     def num_storing(self) -> int:

@@ -341,7 +341,7 @@ class TierManager(TierJobs):
         the secondary tiers, and the rest is not stored. Else None: vLLM asks again
         next step, when the tiers' writes in flight may have released their blocks."""
         pool = self.pool
-        room = pool.num_free + pool.num_cached - pool.num_read_pinned
+        room = pool.num_free + pool.num_evictable
         if room <= 0 or len(wanted) <= pool.num_blocks:
             return None
         lead: list[bytes] = []
