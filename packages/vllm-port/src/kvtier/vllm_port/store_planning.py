@@ -28,7 +28,9 @@ GPU that cost is paid on every step.
   slice of block hashes is not empty. This is used only without sliding-window groups,
   where vLLM 0.32's and 0.33's loops are the same; with them vLLM's own runs.
 
-Where vLLM's scheduler lacks what these read, nothing changes.
+Where vLLM's scheduler lacks what these read, nothing changes. Under the candidate
+filter, :mod:`kvtier.vllm_port.store_jobs` plans a plain model's stores in place of
+vLLM's ``_build_store_jobs`` where it applies.
 
 :func:`has_worker_news` tells a connector when vLLM's ``update_connector_output`` would
 do nothing (no worker metadata: no job completed, no transfer stats), so it can skip it.
@@ -41,6 +43,8 @@ import logging
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from kvtier.vllm_port import store_jobs
 
 logger = logging.getLogger("kvtier.vllm_port")
 
@@ -113,6 +117,7 @@ def speed_up(scheduler: Any) -> bool:
             update_keys_when_new(scheduler)
         except Exception:  # vLLM's yield_req_data answered unlike 0.32 and 0.33
             logger.debug("kvtier: vLLM's request-state update kept", exc_info=True)
+    store_jobs.install(scheduler)  # the candidate filter goes in front of it
     plan_stores_for_candidates(scheduler)
     return True
 
