@@ -555,6 +555,8 @@ TIMELINE_COLUMNS = [
     ("MiB", "restored_mib"),
     ("lookup->submit ms", "lookup_to_submit_ms"),
     ("submit->loaded ms", "submit_to_loaded_ms"),
+    ("of it: ->copy ms", "submit_to_copy_ms"),
+    ("copy ms", "copy_ms"),
     ("loaded->scheduled ms", "loaded_to_scheduled_ms"),
     ("steps waited", "steps_waited_median"),
     ("restore ms (p50)", "restore_wall_ms"),
@@ -577,11 +579,15 @@ def print_timeline(done: dict[str, Scenario], copy_gbps: float) -> None:
         return
     print(
         f"\n== restores (per request: looked up -> load submitted -> loaded -> scheduled; "
-        f"copy engine {copy_gbps:.1f} GB/s; 'in step': loaded before the step's forward)"
+        f"copy engine {copy_gbps:.1f} GB/s; 'in step': loaded before the step's forward, "
+        f"its copy submitted by the worker '->copy' after the load was planned)"
     )
     _print_cells(
         [h for h, _ in TIMELINE_COLUMNS],
-        [[str(r.get(k, "")) for _, k in TIMELINE_COLUMNS] for r in rows],
+        [
+            [str(r.get(k) if r.get(k) is not None else "-") for _, k in TIMELINE_COLUMNS]
+            for r in rows
+        ],
     )
 
 
