@@ -104,18 +104,30 @@ def plain_model(scheduler: Any) -> bool:
     return isinstance(getattr(config, "blocks_per_chunk", None), int)
 
 
-class _One:
-    """A scheduler output reduced to one request, for vLLM's own planner."""
+class Reduced:
+    """A scheduler output whose scheduled requests are only ``scheduled`` (and, where
+    ``finished`` is given, whose finished requests are only those), for vLLM's planner;
+    everything else is the output's own."""
 
     __slots__ = ("_output", "finished_req_ids", "num_scheduled_tokens")
 
-    def __init__(self, output: Any, scheduled: dict[str, int], finished: set[str]) -> None:
+    def __init__(
+        self, output: Any, scheduled: dict[str, int], finished: set[str] | None = None
+    ) -> None:
         self._output = output
         self.num_scheduled_tokens = scheduled
-        self.finished_req_ids = finished
+        if finished is not None:  # unset, the slot falls through to __getattr__
+            self.finished_req_ids = finished
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._output, name)
+
+
+def finished_statuses(scheduler: Any) -> frozenset[Any]:
+    """vLLM's request statuses that ``Request.is_finished`` says are finished (its
+    ``RequestStatus``, as the scheduler's module imports it)."""
+    statuses = sys.modules[type(scheduler).__module__].RequestStatus
+    return frozenset(s for s in statuses if statuses.is_finished(s))
 
 
 def install(scheduler: Any) -> bool:
@@ -135,9 +147,8 @@ def planner(scheduler: Any) -> Callable[[Any], dict[int, Any]]:
     job_status_cls = module.TransferJobStatus
     job_cls = module.TransferJob
     device_spec = module.GPULoadStoreSpec
-    statuses_enum = module.RequestStatus
-    aborted = statuses_enum.FINISHED_ABORTED
-    finished = frozenset(s for s in statuses_enum if statuses_enum.is_finished(s))
+    aborted = module.RequestStatus.FINISHED_ABORTED
+    finished = finished_statuses(scheduler)
     allocation_failure = module._ConnectorMetricName.ALLOCATION_FAILURE
     vllm_logger = module.logger
     config = scheduler.config
@@ -190,9 +201,9 @@ def planner(scheduler: Any) -> Callable[[Any], dict[int, Any]]:
                 new_keys += keys[start:end]
             if null:  # vLLM's own rules for null blocks
                 one = (
-                    _One(scheduler_output, {req_id: scheduled[req_id]}, set())
+                    Reduced(scheduler_output, {req_id: scheduled[req_id]}, set())
                     if position < len(scheduled)
-                    else _One(scheduler_output, {}, {req_id})
+                    else Reduced(scheduler_output, {}, {req_id})
                 )
                 store_jobs.update(vllm_plan(one))
                 continue
@@ -276,4 +287,12 @@ def planner(scheduler: Any) -> Callable[[Any], dict[int, Any]]:
     return plan
 
 
-__all__ = ["KNOWN_SOURCES", "install", "plain_model", "planner", "source_digest"]
+__all__ = [
+    "KNOWN_SOURCES",
+    "Reduced",
+    "finished_statuses",
+    "install",
+    "plain_model",
+    "planner",
+    "source_digest",
+]

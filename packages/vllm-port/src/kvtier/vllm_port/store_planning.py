@@ -49,19 +49,6 @@ from kvtier.vllm_port import store_jobs
 logger = logging.getLogger("kvtier.vllm_port")
 
 
-class _Candidates:
-    """A scheduler output whose scheduled requests are only the store candidates."""
-
-    __slots__ = ("_output", "num_scheduled_tokens")
-
-    def __init__(self, output: Any, scheduled: dict[str, int]) -> None:
-        self._output = output
-        self.num_scheduled_tokens = scheduled
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._output, name)
-
-
 # vLLM's scheduler methods that may move a request's store index back (a restarted or
 # resumed request's lookup and allocation) or reset every request's (``reset_cache``).
 _STORE_INDEX_RESETS = ("get_num_new_matched_tokens", "update_state_after_alloc", "on_new_request")
@@ -198,13 +185,6 @@ def _new_requests_full_table(req_data: Callable[[Any], Any]) -> bool:
     return bool(next(iter(req_data(Output())))[2])
 
 
-def _finished_statuses(scheduler: Any) -> frozenset[Any]:
-    """vLLM's request statuses that ``Request.is_finished`` says are finished (its
-    ``RequestStatus``, as the scheduler's module imports it)."""
-    statuses = sys.modules[type(scheduler).__module__].RequestStatus
-    return frozenset(s for s in statuses if statuses.is_finished(s))
-
-
 def _settled_requests(scheduler: Any) -> set[str]:
     """A set of request ids that each of vLLM's methods able to move a request's store
     index back (:data:`_STORE_INDEX_RESETS`, ``reset_cache``) forgets first."""
@@ -237,7 +217,7 @@ def plan_stores_for_candidates(scheduler: Any) -> None:
     chunk_tokens = tuple(g.tokens_per_chunk for g in scheduler.config.kv_group_configs)
     prompt_only: bool = scheduler.config.offload_prompt_only
     offloadable: Callable[[Any, int], int] = scheduler._calc_num_offloadable_tokens
-    finished = _finished_statuses(scheduler)
+    finished = store_jobs.finished_statuses(scheduler)
     failed = False
     # Requests whose whole prompt is stored, where only the prompt is offloaded: none
     # can store again until it finishes (finished requests are planned from vLLM's
@@ -302,7 +282,7 @@ def plan_stores_for_candidates(scheduler: Any) -> None:
             return plan(scheduler_output)
         if not keep and not scheduler_output.finished_req_ids:
             return {}  # what vLLM's returns for no request
-        return plan(_Candidates(scheduler_output, keep))
+        return plan(store_jobs.Reduced(scheduler_output, keep))
 
     scheduler._build_store_jobs = planned
 
