@@ -584,10 +584,7 @@ def print_timeline(done: dict[str, Scenario], copy_gbps: float) -> None:
     )
     _print_cells(
         [h for h, _ in TIMELINE_COLUMNS],
-        [
-            [str(r.get(k) if r.get(k) is not None else "-") for _, k in TIMELINE_COLUMNS]
-            for r in rows
-        ],
+        [["-" if (v := r.get(k)) is None else str(v) for _, k in TIMELINE_COLUMNS] for r in rows],
     )
 
 

@@ -179,19 +179,23 @@ class RestoreTimeline:
                 self._wrap(copier, "wait", waited)
                 self._wrap(copier, "submit_load", submitted)
 
+    def _unloaded(self, req_id: str) -> Restore | None:
+        """The request's latest restore not yet loaded, if any."""
+        for r in reversed(self.restores):
+            if r.req_id == req_id and r.loaded is None:
+                return r
+        return None
+
     def _loaded(self, req_id: str, when: float, *, sync: bool) -> None:
         """The request's latest restore not yet loaded is loaded at ``when``."""
-        for r in reversed(self.restores):
-            if r.req_id == req_id and r.loaded is None:
-                r.loaded, r.sync = when, sync
-                return
+        r = self._unloaded(req_id)
+        if r is not None:
+            r.loaded, r.sync = when, sync
 
     def _copy_started(self, req_id: str, when: float) -> None:
-        for r in reversed(self.restores):
-            if r.req_id == req_id and r.loaded is None:
-                if r.copy_started is None:
-                    r.copy_started = when
-                return
+        r = self._unloaded(req_id)
+        if r is not None and r.copy_started is None:
+            r.copy_started = when
 
     def _wrap(self, obj: Any, name: str, make: Any) -> None:
         setattr(obj, name, make(getattr(obj, name)))
