@@ -100,6 +100,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         # This step's metadata moves nothing and nothing waits (bind_connector_metadata):
         # handle_preemptions and start_load_kv have nothing to do.
         self._idle_step = False
+        # ... and this worker has nothing in flight or to report: the step's
+        # wait_for_save, get_finished, get_transfer_results, build_connector_worker_meta
+        # and get_block_ids_with_load_errors answer as vLLM's would, at once.
+        self._quiet_step = False
         self._results_type: Any = None  # vLLM's KVConnectorTransferResults, once seen
         self._layer_hooks_idle = connector_reads.layer_hooks_idle(type(self))
         worker = getattr(self, "connector_worker", None)
@@ -170,16 +174,32 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._idle_step = (
+        idle = self._idle_step = (
             self._kvtier_worker_spec is not None
             and not self._held_stores
             and not self._sync_started
             and sync_loads.idle(self.connector_worker, connector_metadata)
         )
+        # An idle step submits nothing, so a worker with nothing in flight now has
+        # nothing to report until the metadata is cleared.
+        worker = self._kvtier_worker() if idle else None
+        self._quiet_step = (
+            worker is not None
+            and _NO_BASE_LOAD_ERRORS
+            and worker.quiet
+            and not self._failed_recving
+            and not store_planning.plans_stores(connector_metadata)
+            and not store_planning.worker_meta_waiting(self.connector_worker)
+        )
 
     def clear_connector_metadata(self) -> None:
-        self._idle_step = False
+        self._idle_step = self._quiet_step = False
         super().clear_connector_metadata()
+
+    def wait_for_save(self) -> None:
+        if self._quiet_step:
+            return  # the metadata plans no store: vLLM's would defer none
+        super().wait_for_save()
 
     def handle_preemptions(self, *args: Any, **kwargs: Any) -> None:
         if self._idle_step:
@@ -222,6 +242,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
             sync_loads.release_stores(self.connector_worker, held)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._quiet_step:
+            return set()  # no load ran: what vLLM's offloading connector reports
         worker = self._kvtier_worker()
         if worker is not None and _NO_BASE_LOAD_ERRORS and not worker.has_failed_loads:
             return set()  # what vLLM's offloading connector reports
@@ -234,7 +256,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:
-        if self._quiet(finished_req_ids):
+        if (self._quiet_step and not finished_req_ids) or self._quiet(finished_req_ids):
             return set(), set()  # vLLM's, with no finished job (asked every step)
         if self._held_stores:  # a step that ran no start_load_kv: submit them now
             held, self._held_stores = self._held_stores, []
@@ -255,7 +277,9 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         empty = self._results_type
-        if empty is not None and self._quiet(finished_req_ids):
+        if empty is not None and (
+            (self._quiet_step and not finished_req_ids) or self._quiet(finished_req_ids)
+        ):
             return empty()  # nothing finished: vLLM's empty results (asked every step)
         results = super().get_transfer_results(finished_req_ids)
         if self._kvtier_worker_spec is not None:
@@ -268,6 +292,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         return results
 
     def build_connector_worker_meta(self) -> Any:
+        if self._quiet_step:
+            return None  # no job completed: vLLM's has no metadata to send
         meta = super().build_connector_worker_meta()
         worker = self._kvtier_worker()
         if worker is None or meta is None:

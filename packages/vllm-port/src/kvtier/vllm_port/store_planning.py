@@ -296,6 +296,14 @@ def has_worker_news(scheduler: Any, connector_output: Any) -> bool:
     return getattr(scheduler, "_step_region", None) is not None
 
 
+def worker_meta_waiting(connector_worker: Any) -> bool:
+    """Whether vLLM's connector worker holds completed jobs its
+    ``build_connector_worker_meta`` has not sent yet; True where it keeps no such
+    record."""
+    meta = getattr(connector_worker, "_connector_worker_meta", None)
+    return bool(getattr(meta, "completed_jobs", True))
+
+
 def plans_stores(metadata: Any) -> bool:
     """Whether a step's connector ``metadata`` plans stores (vLLM releases before 0.32
     queue them in the worker's ``get_finished``); True where it has no such field."""
@@ -308,4 +316,5 @@ __all__ = [
     "plans_stores",
     "speed_up",
     "update_keys_when_new",
+    "worker_meta_waiting",
 ]

@@ -1,0 +1,100 @@
+"""Worker steps that move nothing answer at once, and still report what ends in them.
+
+A step whose metadata moves nothing (no load, flush or store, none deferred) on a
+worker with nothing in flight has nothing to report, and the connector answers vLLM's
+questions for it without asking vLLM's code. A copy still in flight keeps its steps on
+vLLM's path: a store that ends while the request decodes (steps that move nothing) is
+reported in the step it ends, not when the request finishes. Real engine (vLLM's CPU
+platform), with the copy engine's asynchronous CPU backend and slow stores, as on an
+accelerator where a copy ends steps after it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import kvtier.testkit as testkit
+from kvtier.testkit import Workload, free_llm, make_llm, run_workload
+from kvtier.testkit.engine import kv_connector_of, scheduler_of
+
+from .e2e_support import ENGINE, offload_config
+
+STORE_SECONDS = 0.1
+# One request: a 3-block prompt, then decoding steps that move nothing (prompts only
+# are stored) for much longer than a store takes.
+WORKLOAD = Workload((tuple(range(7, 7 + 96)),), 150)
+
+
+@contextlib.contextmanager
+def slow_asynchronous_stores(seconds: float) -> Iterator[None]:
+    """Copies on the CPU backend's own threads (as a device stream would run them),
+    each store taking at least ``seconds``."""
+    from kvtier.npu_copy import TransferEngine
+    from kvtier.npu_copy.cpu_backend import CPUBackend
+
+    init, copy = TransferEngine.__init__, CPUBackend._copy
+
+    def asynchronous_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **{**kwargs, "asynchronous": True})
+
+    def slow_copy(self: Any, device_ids: Any, host_ids: Any, *, to_host: bool) -> None:
+        if to_host:
+            time.sleep(seconds)
+        copy(self, device_ids, host_ids, to_host=to_host)
+
+    TransferEngine.__init__ = asynchronous_init  # type: ignore[method-assign]
+    CPUBackend._copy = slow_copy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TransferEngine.__init__ = init  # type: ignore[method-assign]
+        CPUBackend._copy = copy  # type: ignore[method-assign]
+
+
+def test_a_store_ending_in_a_step_that_moves_nothing_is_reported(tiny_model: Path) -> None:
+    kv = offload_config("CPUOffloadingSpec", host_chunks=16)
+    with slow_asynchronous_stores(STORE_SECONDS):
+        llm = make_llm(tiny_model, **ENGINE, kv_transfer_config=testkit.kv_transfer_config(kv))
+        try:
+            scheduler = scheduler_of(llm)
+            connector = kv_connector_of(llm)
+            pool = connector.connector_scheduler.manager.core.pool
+            update = scheduler.update_from_output
+            # Per step: host blocks still being stored, requests still running.
+            steps: list[tuple[int, int]] = []
+
+            def updated(*args: Any, **kwargs: Any) -> Any:
+                out = update(*args, **kwargs)
+                steps.append((pool.num_storing, len(scheduler.running)))
+                return out
+
+            scheduler.update_from_output = updated
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            worker = get_kv_transfer_group()
+            answer = worker.build_connector_worker_meta
+            quiet = {"steps": 0}
+
+            def built(*args: Any, **kwargs: Any) -> Any:
+                quiet["steps"] += bool(getattr(worker, "_quiet_step", False))
+                return answer(*args, **kwargs)
+
+            worker.build_connector_worker_meta = built
+            run_workload(llm, WORKLOAD)
+        finally:
+            free_llm(llm)
+    storing = [i for i, (n, _) in enumerate(steps) if n]
+    assert storing, f"the prompt was never stored: {steps}"
+    done = next((i for i in range(storing[0], len(steps)) if not steps[i][0]), None)
+    assert done is not None, f"the store never ended: {steps}"
+    assert steps[done][1] == 1, f"the store was reported only when the request ended: {steps}"
+    if quiet["steps"] == 0 and hasattr(worker, "_quiet_step"):
+        pytest.fail("no step took the quiet path: the test no longer checks it")
