@@ -4,9 +4,10 @@ A step whose metadata moves nothing (no load, flush or store, none deferred) on 
 worker with nothing in flight has nothing to report, and the connector answers vLLM's
 questions for it without asking vLLM's code. A copy still in flight keeps its steps on
 vLLM's path: a store that ends while the request decodes (steps that move nothing) is
-reported in the step it ends, not when the request finishes. Real engine (vLLM's CPU
-platform), with the copy engine's asynchronous CPU backend and slow stores, as on an
-accelerator where a copy ends steps after it started.
+reported in the step it ends, not when the request finishes; and in every step that
+takes the quick path, vLLM's own code, asked the same, finds nothing either. Real engine
+(vLLM's CPU platform), with the copy engine's asynchronous CPU backend and slow stores,
+as on an accelerator where a copy ends steps after it started.
 """
 
 from __future__ import annotations
@@ -82,9 +83,17 @@ def test_a_store_ending_in_a_step_that_moves_nothing_is_reported(tiny_model: Pat
             worker = get_kv_transfer_group()
             answer = worker.build_connector_worker_meta
             quiet = {"steps": 0}
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+                OffloadingConnector as vllms,
+            )
 
             def built(*args: Any, **kwargs: Any) -> Any:
-                quiet["steps"] += bool(getattr(worker, "_quiet_step", False))
+                if getattr(worker, "_quiet_step", False):
+                    quiet["steps"] += 1
+                    # What vLLM's own code answers in the same step: nothing either.
+                    assert vllms.get_finished(worker, set()) == (set(), set())
+                    assert vllms.get_block_ids_with_load_errors(worker) == set()
+                    assert vllms.build_connector_worker_meta(worker) is None
                 return answer(*args, **kwargs)
 
             worker.build_connector_worker_meta = built

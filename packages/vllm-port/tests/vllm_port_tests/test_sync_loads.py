@@ -50,3 +50,14 @@ def test_planned_stores_are_read_from_the_metadata_and_assumed_where_unknown() -
     assert store_planning.plans_stores(SimpleNamespace(store_jobs={1: object()}))
     assert store_planning.plans_stores(SimpleNamespace())  # no such field: assume some
     assert store_planning.plans_stores(None)
+
+
+def test_completions_not_yet_sent_are_read_from_the_worker_and_assumed_where_unknown() -> None:
+    from kvtier.vllm_port import store_planning
+
+    waiting = SimpleNamespace(completed_jobs={3})
+    assert store_planning.worker_meta_waiting(SimpleNamespace(_connector_worker_meta=waiting))
+    sent = SimpleNamespace(completed_jobs=set())
+    assert not store_planning.worker_meta_waiting(SimpleNamespace(_connector_worker_meta=sent))
+    assert store_planning.worker_meta_waiting(SimpleNamespace())  # no such record: assume some
+    assert store_planning.worker_meta_waiting(None)
