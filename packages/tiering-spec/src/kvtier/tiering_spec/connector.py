@@ -151,11 +151,14 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         ``get_finished`` would then find no finished job and report nothing. Not on a
         step that finished requests (releases before 0.32 report those as finished
         sending once their stores are done), nor on one that planned stores (releases
-        before 0.32 queue them in ``get_finished``)."""
+        before 0.32 queue them in ``get_finished``). Known at bind on a quiet step."""
+        if finished_req_ids:
+            return False
+        if self._quiet_step:
+            return True
         worker = self._kvtier_worker()
         return (
-            not finished_req_ids
-            and not store_planning.plans_stores(getattr(self, "_connector_metadata", None))
+            not store_planning.plans_stores(getattr(self, "_connector_metadata", None))
             and worker is not None
             and worker.quiet
             and not self._held_stores
@@ -256,7 +259,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:
-        if (self._quiet_step and not finished_req_ids) or self._quiet(finished_req_ids):
+        if self._quiet(finished_req_ids):
             return set(), set()  # vLLM's, with no finished job (asked every step)
         if self._held_stores:  # a step that ran no start_load_kv: submit them now
             held, self._held_stores = self._held_stores, []
@@ -277,9 +280,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         empty = self._results_type
-        if empty is not None and (
-            (self._quiet_step and not finished_req_ids) or self._quiet(finished_req_ids)
-        ):
+        if empty is not None and self._quiet(finished_req_ids):
             return empty()  # nothing finished: vLLM's empty results (asked every step)
         results = super().get_transfer_results(finished_req_ids)
         if self._kvtier_worker_spec is not None:
