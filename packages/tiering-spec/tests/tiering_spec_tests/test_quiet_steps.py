@@ -12,9 +12,7 @@ as on an accelerator where a copy ends steps after it started.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +32,9 @@ STORE_SECONDS = 0.1
 WORKLOAD = Workload((tuple(range(7, 7 + 96)),), 150)
 
 
-@contextlib.contextmanager
-def slow_asynchronous_stores(seconds: float) -> Iterator[None]:
+def slow_asynchronous_stores(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Copies on the CPU backend's own threads (as a device stream would run them),
-    each store taking at least ``seconds``."""
+    each store taking at least ``seconds``, until the test ends."""
     from kvtier.npu_copy import TransferEngine
     from kvtier.npu_copy.cpu_backend import CPUBackend
 
@@ -51,55 +48,52 @@ def slow_asynchronous_stores(seconds: float) -> Iterator[None]:
             time.sleep(seconds)
         copy(self, device_ids, host_ids, to_host=to_host)
 
-    TransferEngine.__init__ = asynchronous_init  # type: ignore[method-assign]
-    CPUBackend._copy = slow_copy  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        TransferEngine.__init__ = init  # type: ignore[method-assign]
-        CPUBackend._copy = copy  # type: ignore[method-assign]
+    monkeypatch.setattr(TransferEngine, "__init__", asynchronous_init)
+    monkeypatch.setattr(CPUBackend, "_copy", slow_copy)
 
 
-def test_a_store_ending_in_a_step_that_moves_nothing_is_reported(tiny_model: Path) -> None:
+def test_a_store_ending_in_a_step_that_moves_nothing_is_reported(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     kv = offload_config("CPUOffloadingSpec", host_chunks=16)
-    with slow_asynchronous_stores(STORE_SECONDS):
-        llm = make_llm(tiny_model, **ENGINE, kv_transfer_config=testkit.kv_transfer_config(kv))
-        try:
-            scheduler = scheduler_of(llm)
-            connector = kv_connector_of(llm)
-            pool = connector.connector_scheduler.manager.core.pool
-            update = scheduler.update_from_output
-            # Per step: host blocks still being stored, requests still running.
-            steps: list[tuple[int, int]] = []
+    slow_asynchronous_stores(monkeypatch, STORE_SECONDS)
+    llm = make_llm(tiny_model, **ENGINE, kv_transfer_config=testkit.kv_transfer_config(kv))
+    try:
+        scheduler = scheduler_of(llm)
+        connector = kv_connector_of(llm)
+        pool = connector.connector_scheduler.manager.core.pool
+        update = scheduler.update_from_output
+        # Per step: host blocks still being stored, requests still running.
+        steps: list[tuple[int, int]] = []
 
-            def updated(*args: Any, **kwargs: Any) -> Any:
-                out = update(*args, **kwargs)
-                steps.append((pool.num_storing, len(scheduler.running)))
-                return out
+        def updated(*args: Any, **kwargs: Any) -> Any:
+            out = update(*args, **kwargs)
+            steps.append((pool.num_storing, len(scheduler.running)))
+            return out
 
-            scheduler.update_from_output = updated
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
+        scheduler.update_from_output = updated
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            worker = get_kv_transfer_group()
-            answer = worker.build_connector_worker_meta
-            quiet = {"steps": 0}
-            from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-                OffloadingConnector as vllms,
-            )
+        worker = get_kv_transfer_group()
+        answer = worker.build_connector_worker_meta
+        quiet = {"steps": 0}
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector as vllms,
+        )
 
-            def built(*args: Any, **kwargs: Any) -> Any:
-                if getattr(worker, "_quiet_step", False):
-                    quiet["steps"] += 1
-                    # What vLLM's own code answers in the same step: nothing either.
-                    assert vllms.get_finished(worker, set()) == (set(), set())
-                    assert vllms.get_block_ids_with_load_errors(worker) == set()
-                    assert vllms.build_connector_worker_meta(worker) is None
-                return answer(*args, **kwargs)
+        def built(*args: Any, **kwargs: Any) -> Any:
+            if getattr(worker, "_quiet_step", False):
+                quiet["steps"] += 1
+                # What vLLM's own code answers in the same step: nothing either.
+                assert vllms.get_finished(worker, set()) == (set(), set())
+                assert vllms.get_block_ids_with_load_errors(worker) == set()
+                assert vllms.build_connector_worker_meta(worker) is None
+            return answer(*args, **kwargs)
 
-            worker.build_connector_worker_meta = built
-            run_workload(llm, WORKLOAD)
-        finally:
-            free_llm(llm)
+        worker.build_connector_worker_meta = built
+        run_workload(llm, WORKLOAD)
+    finally:
+        free_llm(llm)
     storing = [i for i, (n, _) in enumerate(steps) if n]
     assert storing, f"the prompt was never stored: {steps}"
     done = next((i for i in range(storing[0], len(steps)) if not steps[i][0]), None)
