@@ -181,3 +181,31 @@ def test_the_guides_examples_start_and_serve(model: Path, tmp_path: Path, spec_n
         assert isinstance(manager, KvtierOffloadingManager), type(manager)
     finally:
         testkit.free_llm(llm)
+
+
+def test_a_waiting_requests_prefix_comes_up_from_the_fs_tier_before_its_turn(
+    model: Path, tmp_path: Path
+) -> None:
+    """The second pass's prefixes are in the fs tier only (the 10-chunk host tier keeps
+    the last two or three), and each request waits in vLLM's queue behind two running
+    ones. Promoted while it waits, its prefix is a host hit when vLLM first looks it up:
+    no lookup reads "not known yet", which would make vLLM skip the request and give its
+    seat to the next one (it then waited for a running request to finish)."""
+    cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(tmp_path))
+    first_answers: dict[str, int | None] = {}
+    with testkit.llm_session(model, kv_transfer_config=kv_transfer_config(cfg), **ENGINE) as llm:
+        scheduler = kv_connector_of(llm).connector_scheduler
+        ask = scheduler.get_num_new_matched_tokens
+
+        def first_answer(request: Any, *args: Any, **kwargs: Any) -> Any:
+            answer = ask(request, *args, **kwargs)
+            first_answers.setdefault(request.request_id, answer[0])
+            return answer
+
+        scheduler.get_num_new_matched_tokens = first_answer
+        res = testkit.run_workload(llm, WORKLOAD)
+        counters = scheduler.manager.core.counters
+    assert_identical(reference(model), res)
+    waited = [req for req, hit in first_answers.items() if hit is None]
+    assert not waited, (waited, counters)
+    assert counters.promoted_ahead > 0, counters

@@ -237,3 +237,43 @@ def test_window_scans_keep_vllms_method_where_it_answers_otherwise() -> None:
     scheduler = _scheduler(_Manager({}, {}), cls=Other)
     assert not lookups.sliding_window_scans(scheduler)
     assert "_sliding_window_lookup" not in vars(scheduler)
+
+
+def _arrived(groups: int = 1, hashes: int = 7) -> Any:
+    """vLLM's own request state for a request vLLM just added, as ``on_new_request``
+    makes it (its lookup has not run)."""
+    req = SimpleNamespace(
+        request_id="r",
+        block_hashes=[b"h%d" % i for i in range(hashes)],
+        kv_transfer_params=None,
+        kv_hints=None,
+    )
+    config = SimpleNamespace(
+        kv_group_configs=tuple(
+            SimpleNamespace(group_idx=g, tokens_per_chunk=32, hashes_per_chunk=2)
+            for g in range(groups)
+        )
+    )
+    return scheduler_mod.RequestOffloadState(
+        config=config,
+        req=req,
+        req_context=scheduler_mod._create_req_context(req),
+        offloading_context=None,
+    )
+
+
+def test_arrival_keys_are_the_keys_the_lookup_asks_for() -> None:
+    arrived, looked_up = _arrived(), _arrived()
+    looked_up.update_offload_keys()  # what vLLM's get_num_new_matched_tokens does first
+    scheduler = SimpleNamespace(_req_status={"r": arrived})
+    keys = lookups.arrival_keys(scheduler, "r")
+    want = list(looked_up.group_states[0].offload_keys)
+    assert keys == want and len(keys) == 3, "one key per complete chunk of 2 hashes"
+    arrived.update_offload_keys()  # the lookup's own call then adds nothing
+    assert list(arrived.group_states[0].offload_keys) == want
+
+
+def test_arrival_keys_are_none_for_several_groups_or_an_unknown_request() -> None:
+    assert lookups.arrival_keys(SimpleNamespace(_req_status={"r": _arrived(2)}), "r") is None
+    assert lookups.arrival_keys(SimpleNamespace(_req_status={}), "r") is None
+    assert lookups.arrival_keys(SimpleNamespace(), "r") is None

@@ -16,7 +16,9 @@ under vLLM's name ``OffloadingConnector``) turns a failure into recompute instea
   they are never loaded.
 
 It also tells a kvtier manager which requests run with a LoRA adapter (only the
-connector sees vLLM's ``Request``): those keep to the host tier.
+connector sees vLLM's ``Request``): those keep to the host tier; and, with secondary
+tiers, each arriving request's offload keys, so that its prefix is promoted from them
+while it waits in vLLM's queue.
 
 With any other spec it is vLLM's connector unchanged. On releases without spec
 metrics (vLLM 0.23) it reports kvtier's metrics itself
@@ -344,6 +346,14 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
             context = compat.PORT.request_context(scheduler, request.request_id)
             if context is not None:
                 manager.note_lora(context, getattr(request, "lora_request", None) is not None)
+                if manager.core.secondary_tiers and not getattr(
+                    request, "skip_reading_prefix_cache", False
+                ):
+                    # What only the fs or store tier holds of its prefix is promoted
+                    # while it waits for its turn.
+                    keys = lookups.arrival_keys(scheduler, request.request_id)
+                    if keys:
+                        manager.promote_ahead(keys, context)
 
     def take_events(self) -> Any:
         if self._kvtier_manager is not None and not self._kvtier_events:

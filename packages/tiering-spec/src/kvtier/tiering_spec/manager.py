@@ -20,6 +20,8 @@ Flow:
   (a store tier's call past its deadline) reads ``MISS`` at once, and its host block
   stays reserved (storing, held: ``Hold.LATE_READ``) until the tier's ``"release"``
   result: the late call may still write into it;
+* a request waiting in vLLM's queue has what only a secondary tier holds of its
+  prefix promoted before vLLM looks it up (:mod:`~kvtier.tiering_spec.tier_promotions`);
 * host eviction needs no I/O: an evicted block is already on disk (write-through),
   so the pool may reuse it at once.
 
@@ -50,12 +52,12 @@ from kvtier.blockpool import (
 )
 from kvtier.tiering_spec.tier_flow import TierCounters, TierFlow
 from kvtier.tiering_spec.tier_jobs import TierJobs
+from kvtier.tiering_spec.tier_promotions import TierPromotions
 from kvtier.tiering_spec.tiers.base import SecondaryTier
 from kvtier.tiering_spec.tiers.fs.format import key_digest
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
-_MAX_LOAD_SOURCES = 100_000
 # Lookups answered "not known yet" remembered for their async delay (then forgotten).
 _MAX_ASKING = 16_384
 # How long a reset waits for fs jobs in flight before it goes on without them.
@@ -71,7 +73,7 @@ class Lookup(enum.Enum):
     HIT_PENDING = 2
 
 
-class TierManager(TierJobs):
+class TierManager(TierPromotions, TierJobs):
     """Host block pool plus secondary tiers (fs, Mooncake Store), for one engine's scheduler.
 
     Args:
@@ -139,6 +141,8 @@ class TierManager(TierJobs):
         # touches and the request's end all need it); forgotten all at once when full.
         self._digests: dict[bytes, bytes] = {}
         self._max_digests = max(1024, 2 * pool.num_blocks)
+        # Requests waiting for their first lookup, oldest first (TierPromotions).
+        self._ahead: OrderedDict[str, list[bytes]] = OrderedDict()
 
     # ------------------------------------------------------------------ lookups
 
@@ -151,6 +155,8 @@ class TierManager(TierJobs):
         if self._pass_req != req_id:
             self._end_pass()
             self._pass_req = req_id
+            if self._ahead:  # vLLM asks for it itself now
+                self._ahead.pop(req_id, None)
             self.flush()  # the previous request's promotions
             # Once a pass, not once a key: a read that ends during the pass is a
             # HIT_PENDING, which vLLM asks again next step.
@@ -190,13 +196,9 @@ class TierManager(TierJobs):
             self.flows[idx].looked_up(now - start, since, now)
             if not found:
                 continue
-            if len(self._promoting) + len(self._fresh) >= self.max_promoting and (
-                next(iter(self._room_reqs), None) != req_id
-            ):
+            if self._room_full(req_id):
                 # Wait for room instead of recomputing: promotions end in milliseconds
-                # and pinned blocks are loaded or released within FRESH_STEPS. The
-                # oldest holder goes on (as the host tier allows): waiting, it would
-                # wait on its own pins, or on a request that waits on it.
+                # and pinned blocks are loaded or released within FRESH_STEPS.
                 self.counters.promotions_deferred += 1
                 return Lookup.HIT_PENDING
             if self._pass_held is None:
@@ -204,19 +206,9 @@ class TierManager(TierJobs):
                 protect = [k for k in self._pass_keys if pool.contains(k)]
                 pool.hold(protect, Hold.LOOKUP_PASS)
                 self._pass_held = protect
-            plan = pool.prepare_store([key])
-            if plan is None or not plan.keys:
+            if not self._promote(idx, key, digest, req_id):
                 self.counters.promotion_allocation_failures += 1
                 return Lookup.MISS
-            self._queued.setdefault((idx, "read", req_id), []).append(
-                (key, digest, plan.block_ids[0])
-            )
-            self._promoting[key] = idx
-            self._room_owner[key] = req_id
-            self._room_reqs[req_id] = self._room_reqs.get(req_id, 0) + 1
-            self._load_sources[key] = tier.name
-            if len(self._load_sources) > _MAX_LOAD_SOURCES:
-                self._load_sources.popitem(last=False)
             self._pass_keys.append(key)
             return Lookup.HIT_PENDING
         return Lookup.HIT_PENDING if unknown else Lookup.MISS
@@ -379,7 +371,8 @@ class TierManager(TierJobs):
 
     def end_step(self) -> None:
         """Once per scheduler step: apply completions, forget the lookup pass, release
-        promoted blocks not loaded within ``FRESH_STEPS``, submit what waits."""
+        promoted blocks not loaded within ``FRESH_STEPS``, promote ahead for queued
+        requests (:class:`TierPromotions`), submit what waits."""
         self.flush()
         self.poll()
         self._step += 1
@@ -388,16 +381,9 @@ class TierManager(TierJobs):
             self.pool.release([key], Hold.PROMOTION)
             self._leave_room(key)
         self._end_pass()
-
-    def _leave_room(self, key: bytes) -> None:
-        """``key`` left the promotions' room (loaded, failed, refused or expired)."""
-        req = self._room_owner.pop(key, None)
-        if req is not None:
-            left = self._room_reqs[req] - 1
-            if left:
-                self._room_reqs[req] = left
-            else:
-                del self._room_reqs[req]
+        if self._ahead:
+            self._promote_ahead()
+            self.flush()  # their reads overlap the next step
 
     def _end_pass(self) -> None:
         """Forget the lookup pass, releasing the keys it held for its promotions."""
@@ -441,6 +427,7 @@ class TierManager(TierJobs):
             # As in vLLM, a reset keeps the offer counts (and stores_skipped grows on).
             self.admission.pool = new_pool
         self._fresh.clear()
+        self._ahead.clear()
         self._promoting.clear()
         self._room_owner.clear()
         self._room_reqs.clear()

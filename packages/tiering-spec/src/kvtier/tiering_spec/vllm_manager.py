@@ -148,6 +148,18 @@ class KvtierOffloadingManager(OffloadingManager):
                 "weights, so KV kept across restarts could outlive a retrained adapter",
             )
 
+    def promote_ahead(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        """Called by kvtier's connector when vLLM adds a request, with its prompt's
+        offload keys: what only a secondary tier holds of them is promoted while the
+        request waits (see :mod:`kvtier.tiering_spec.tier_promotions`)."""
+        core = self.core
+        if (
+            core.secondary_tiers
+            and self.side.offload.no_loads_reason is None
+            and self._secondary(req_context)
+        ):
+            core.ahead(req_context.req_id, cast(Sequence[bytes], keys))
+
     def _secondary(self, req_context: ReqContext) -> bool:
         """Whether the request may read and write the secondary (persistent) tiers."""
         if not self.core.secondary_tiers:
@@ -203,6 +215,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Order every key the request stored or reused so that its prefix's tail goes
         first and its head last (as vLLM 0.32 does); only reused keys count as a use."""
+        self.core.forget_ahead(req_context.req_id)
         if not compat.PORT.keeps_request_state(req_context):
             return
         state = compat.PORT.request_state(req_context, _RequestReuse)

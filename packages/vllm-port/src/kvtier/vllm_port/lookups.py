@@ -172,6 +172,23 @@ def single_source_hits(scheduler: Any) -> bool:
     return True
 
 
+def arrival_keys(scheduler: Any, request_id: str) -> list[Any] | None:
+    """The offload keys of a request vLLM's ``on_new_request`` just added: its prompt's
+    complete chunks in prefix order, as its lookup will ask for them, made by vLLM's own
+    ``RequestOffloadState.update_offload_keys`` (which the lookup calls again, adding
+    only keys it lacks). None where the request state has another shape, or the model
+    several KV cache groups (their keys are looked up group by group)."""
+    statuses = getattr(scheduler, "_req_status", None)
+    status = statuses.get(request_id) if isinstance(statuses, dict) else None
+    update = getattr(status, "update_offload_keys", None)
+    groups = getattr(status, "group_states", None)
+    if not callable(update) or not isinstance(groups, tuple) or len(groups) != 1:
+        return None
+    update()
+    keys = getattr(groups[0], "offload_keys", None)
+    return list(keys) if isinstance(keys, list) else None
+
+
 _WINDOW_PARAMS = ["self", "keys", "sliding_window_size", "req_context", "initial_window_size"]
 
 

@@ -1,0 +1,160 @@
+"""The promotions' room, and promotions ahead of vLLM's lookup for requests waiting
+in vLLM's queue. No vLLM import.
+
+Promoting and promoted-not-loaded blocks take half the host tier at most (the room);
+a request's promotions are its share of it, the oldest holder first.
+
+A request whose prefix only a secondary tier holds is promoted when vLLM first looks
+it up: the lookup reads ``HIT_PENDING``, vLLM skips the request for that step and
+admits the next one in its place. Where vLLM runs a few requests at a time, the
+skipped request then waits for a running one to finish, many steps for a read of
+milliseconds.
+
+So kvtier's connector hands the manager each request's offload keys when vLLM adds it
+(:meth:`TierPromotions.ahead`). At the end of each step, the oldest request still
+waiting for its first lookup (the next one vLLM admits) has what only a secondary tier
+holds of its prefix promoted, in prefix order up to the first key no tier holds, with
+the same holds and pins as a lookup's promotions: all of it, where it fits in the
+promotions' room, or nothing. When vLLM looks the request up, the blocks are in the
+host tier: a hit that loads in the step that admits it. A request leaves the queue
+when vLLM first looks it up or when it finishes. One request at a time: promoted
+further ahead, blocks would take the room and the host tier from requests vLLM admits
+before them.
+
+:class:`TierPromotions` is a part of :class:`~kvtier.tiering_spec.manager.TierManager`,
+on the manager's own state (declared below).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvtier.blockpool import Hold, HostBlockPool
+from kvtier.tiering_spec.tier_flow import TierCounters
+from kvtier.tiering_spec.tiers.base import SecondaryTier
+
+# Promotions' sources remembered (the oldest are forgotten first).
+_MAX_LOAD_SOURCES = 100_000
+# Requests waiting for their first lookup remembered at most (more are not).
+MAX_AHEAD = 4096
+
+
+class TierPromotions:
+    """The promotions' room, and promoting the prefixes of requests that wait for their
+    first lookup."""
+
+    # The manager's state these methods use (see TierManager.__init__).
+    pool: HostBlockPool
+    secondary_tiers: list[SecondaryTier]
+    counters: TierCounters
+    max_promoting: int
+    _queued: dict[tuple[int, str, str], list[tuple[bytes, bytes, int]]]
+    _promoting: dict[bytes, int]
+    _fresh: OrderedDict[bytes, int]
+    _room_owner: dict[bytes, str]
+    _room_reqs: dict[str, int]
+    _load_sources: OrderedDict[bytes, str]
+    _ahead: OrderedDict[str, list[bytes]]
+    _refused: OrderedDict[bytes, int]
+
+    def _digest(self, key: bytes) -> bytes:
+        raise NotImplementedError
+
+    def _room_full(self, req_id: str) -> bool:
+        """Whether ``req_id`` must wait for the promotions' room. The oldest holder goes
+        on (as the host tier allows): waiting, it would wait on its own pins, or on a
+        request that waits on it."""
+        return len(self._promoting) + len(self._fresh) >= self.max_promoting and (
+            next(iter(self._room_reqs), None) != req_id
+        )
+
+    def _promote(self, idx: int, key: bytes, digest: bytes, req_id: str) -> bool:
+        """Reserve a host block for ``key`` and queue its read from secondary tier
+        ``idx`` (submitted when the pass or step ends), in ``req_id``'s share of the
+        promotions' room; False where the host tier has no block to give."""
+        plan = self.pool.prepare_store([key])
+        if plan is None or not plan.keys:
+            return False
+        self._queued.setdefault((idx, "read", req_id), []).append((key, digest, plan.block_ids[0]))
+        self._promoting[key] = idx
+        self._room_owner[key] = req_id
+        self._room_reqs[req_id] = self._room_reqs.get(req_id, 0) + 1
+        self._load_sources[key] = self.secondary_tiers[idx].name
+        if len(self._load_sources) > _MAX_LOAD_SOURCES:
+            self._load_sources.popitem(last=False)
+        return True
+
+    def _leave_room(self, key: bytes) -> None:
+        """``key`` left the promotions' room (loaded, failed, refused or expired)."""
+        req = self._room_owner.pop(key, None)
+        if req is not None:
+            left = self._room_reqs[req] - 1
+            if left:
+                self._room_reqs[req] = left
+            else:
+                del self._room_reqs[req]
+
+    def ahead(self, req_id: str, keys: Sequence[bytes]) -> None:
+        """vLLM added request ``req_id`` whose prompt's offload keys are ``keys``, in
+        prefix order: promote what only a secondary tier holds while it waits."""
+        if not self.secondary_tiers or not keys:
+            return
+        queue = self._ahead
+        if len(queue) < MAX_AHEAD:  # (beyond, vLLM admits many before these)
+            queue[req_id] = list(keys)
+
+    def forget_ahead(self, req_id: str) -> None:
+        """``req_id`` finished (or vLLM looks it up itself)."""
+        if self._ahead:
+            self._ahead.pop(req_id, None)
+
+    def _promote_ahead(self) -> None:
+        """At the end of a step: promote what only a secondary tier holds of the prefix
+        of the oldest request still waiting for its first lookup (the next one vLLM
+        admits), in prefix order up to the first key no tier holds. All of it or
+        nothing: a part would leave the rest to its lookup, which waits for it all the
+        same, and these pins last until vLLM admits the request, so they stay within
+        the room (never beyond it, as the oldest holder of a lookup may go: stores
+        need the rest). Looked at again each step: its cached keys may have been
+        evicted since, and the keys of a prefix another request computes written."""
+        req_id, keys = next(iter(self._ahead.items()))
+        pool = self.pool
+        wanted: list[tuple[bytes, bytes, int]] = []  # key, digest, tier index
+        end = index = pool.lookup(keys)  # (the leading keys the host tier holds)
+        for key in itertools.islice(keys, index, None):
+            index += 1
+            if pool.contains(key) or pool.is_storing(key):  # (or promoting)
+                if pool.holds(key, Hold.LATE_READ):
+                    break  # a read that timed out: vLLM's lookup misses it
+                continue
+            if self._refused and key in self._refused:
+                break
+            digest = self._digest(key)
+            source = None
+            for idx, tier in enumerate(self.secondary_tiers):
+                found = tier.contains(digest)
+                if found is None:
+                    return  # a store tier is asking its store: next step
+                if found:
+                    source = idx
+                    break
+            if source is None:
+                break
+            wanted.append((key, digest, source))
+            end = index
+        if not wanted or len(self._promoting) + len(self._fresh) + len(wanted) > (
+            self.max_promoting
+        ):
+            return
+        # Its own promotions must not evict the keys it will hit first.
+        held = [k for k in keys[:end] if pool.contains(k)]
+        pool.hold(held, Hold.LOOKUP_PASS)
+        try:
+            for key, digest, source in wanted:
+                if not self._promote(source, key, digest, req_id):
+                    break
+                self.counters.promoted_ahead += 1
+        finally:
+            pool.release(held, Hold.LOOKUP_PASS)

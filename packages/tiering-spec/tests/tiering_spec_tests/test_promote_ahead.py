@@ -1,0 +1,105 @@
+"""Promotions ahead of vLLM's lookup (TierManager.ahead): the prefix of the request next
+in vLLM's queue comes up from the fs tier while it waits."""
+
+from __future__ import annotations
+
+from kvtier.blockpool import Hold
+from kvtier.tiering_spec.manager import FRESH_STEPS, TierManager
+
+from .test_manager import fs_only, settle
+
+
+def waits(mgr: TierManager, *requests: tuple[str, list[bytes]]) -> None:
+    """vLLM added ``requests`` (id, offload keys), in this order."""
+    for req_id, keys in requests:
+        mgr.ahead(req_id, keys)
+
+
+def test_the_next_requests_prefix_is_a_host_hit_when_vllm_first_asks(make_tier) -> None:
+    prefix = [b"a", b"b", b"c"]
+    mgr = fs_only(make_tier, 8, prefix)
+    waits(mgr, ("r", [*prefix, b"tail"]))  # its tail is stored nowhere
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.counters.promoted_ahead == 3, "up to the key no tier holds"
+    assert mgr.lookup_prefix([*prefix, b"tail"], "r") == (3, None), "hits, nothing pending"
+    assert mgr.pool.held(Hold.PROMOTION) == 3, "pinned until vLLM loads them"
+    mgr.prepare_load(prefix)
+    mgr.complete_load(prefix)
+    assert mgr.pool.held(Hold.PROMOTION) == 0
+    mgr.pool.check_invariants()
+
+
+def test_only_the_oldest_waiting_request_is_promoted(make_tier) -> None:
+    p, q = [b"p0", b"p1"], [b"q0", b"q1"]
+    mgr = fs_only(make_tier, 8, p + q)
+    waits(mgr, ("p", p), ("q", q))
+    mgr.end_step()
+    settle(mgr)
+    assert all(mgr.pool.contains(k) for k in p)
+    assert not any(mgr.pool.contains(k) or mgr.pool.is_storing(k) for k in q), "q waits"
+    assert mgr.lookup_prefix(p, "p") == (2, None)  # vLLM asks for p: q is next
+    mgr.end_step()
+    settle(mgr)
+    assert all(mgr.pool.contains(k) for k in q)
+    assert mgr.counters.promoted_ahead == 4
+
+
+def test_a_finished_request_leaves_the_queue(make_tier) -> None:
+    p, q = [b"p0"], [b"q0"]
+    mgr = fs_only(make_tier, 4, p + q)
+    waits(mgr, ("p", p), ("q", q))
+    mgr.forget_ahead("p")  # aborted before its turn
+    mgr.end_step()
+    settle(mgr)
+    assert not mgr.pool.contains(b"p0") and mgr.pool.contains(b"q0")
+
+
+def test_a_prefix_larger_than_the_room_is_left_to_its_lookup(make_tier) -> None:
+    """All or nothing: a part would leave its lookup waiting for the rest all the same,
+    and pin host blocks stores need until vLLM admits it."""
+    prefix = [b"a", b"b", b"c"]
+    mgr = fs_only(make_tier, 4, prefix)
+    assert mgr.max_promoting == 2
+    waits(mgr, ("r", prefix))
+    for _ in range(3):
+        mgr.end_step()
+        settle(mgr)
+    assert mgr.counters.promotions == mgr.counters.promoted_ahead == 0
+    assert mgr.lookup_prefix(prefix, "r") == (3, [False] * 3), "the lookup promotes"
+
+
+def test_only_what_the_host_tier_lacks_is_read(make_tier) -> None:
+    prefix = [b"a", b"b", b"c"]
+    mgr = fs_only(make_tier, 4, prefix)
+    assert mgr.lookup_prefix([b"a"], "s") == (1, [False])  # another request brings a up
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.lookup_prefix([b"a"], "s") == (1, None)
+    mgr.prepare_load([b"a"])
+    mgr.complete_load([b"a"])
+    waits(mgr, ("r", prefix))
+    mgr.end_step()
+    settle(mgr)
+    assert all(mgr.pool.contains(k) for k in prefix), "its cached head is kept"
+    assert mgr.counters.promoted_ahead == 2
+    assert mgr.pool.held(Hold.LOOKUP_PASS) == 0
+    mgr.pool.check_invariants()
+
+
+def test_an_evicted_head_is_promoted_again_while_the_request_waits(make_tier) -> None:
+    """Looked at again each step: pins end after FRESH_STEPS, and what is evicted
+    since comes up again before its turn."""
+    prefix = [b"a", b"b"]
+    mgr = fs_only(make_tier, 4, prefix)
+    waits(mgr, ("r", prefix))
+    mgr.end_step()
+    settle(mgr)
+    for _ in range(FRESH_STEPS):
+        mgr.end_step()
+    assert mgr.pool.held(Hold.PROMOTION) == 0
+    mgr.pool.evict_all()
+    mgr.end_step()
+    settle(mgr)
+    assert all(mgr.pool.contains(k) for k in prefix)
+    assert mgr.counters.promoted_ahead == 4
