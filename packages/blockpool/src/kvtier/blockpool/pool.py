@@ -93,6 +93,9 @@ class HostBlockPool(PoolHolds):
         # finishing a store rewrites a value instead of moving a key between maps.
         self._keys: dict[Any, int] = {}
         self._num_storing = 0
+        # Raised whenever a key is added, made readable or removed: equal counts mean
+        # the same keys are cached and storing (for callers that look again each step).
+        self.key_changes = 0
         self._block_key: list[Any] = [None] * self.num_blocks
         self._state = bytearray(self.num_blocks)
         self._init_holds()  # pins and holds, by key and by block (see PoolHolds)
@@ -157,6 +160,7 @@ class HostBlockPool(PoolHolds):
             block_key[block] = key
             state[block] = KEYED
         self._num_storing += n
+        self.key_changes += 1
         self.policy.insert(new_keys)
         self._histogram[min(((n - 1).bit_length() + 1) >> 1, len(ALLOCATION_BUCKETS))] += 1
         return StorePlan(new_keys, blocks, evicted)
@@ -196,6 +200,7 @@ class HostBlockPool(PoolHolds):
         if victims is None:
             return None
         blocks = [table.pop(key) for key in victims]
+        self.key_changes += 1
         block_key = self._block_key
         for block in blocks:
             block_key[block] = None
@@ -224,6 +229,7 @@ class HostBlockPool(PoolHolds):
             self._num_storing -= len(stored)
             if stored:
                 self._released += 1  # readable now: evictable unless pinned
+                self.key_changes += 1
             if stored and self._events_on:
                 self._events.append(CacheEvent("stored", tuple(stored)))
             return
@@ -233,6 +239,7 @@ class HostBlockPool(PoolHolds):
 
     def _drop_keys(self, keys: Sequence[Hashable], blocks: list[int]) -> None:
         """Free the blocks of ``keys``, just taken out of the key map, and tell the policy."""
+        self.key_changes += 1
         remove, block_key = self.policy.remove, self._block_key
         for key, block in zip(keys, blocks):
             remove(key)

@@ -143,6 +143,7 @@ class TierManager(TierPromotions, TierJobs):
         self._max_digests = max(1024, 2 * pool.num_blocks)
         # Requests waiting for their first lookup, oldest first (TierPromotions).
         self._ahead: OrderedDict[str, list[bytes]] = OrderedDict()
+        self._ahead_seen: tuple[object, ...] = ()
 
     # ------------------------------------------------------------------ lookups
 

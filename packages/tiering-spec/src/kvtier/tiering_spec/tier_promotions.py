@@ -13,7 +13,8 @@ milliseconds.
 So kvtier's connector hands the manager each request's offload keys when vLLM adds it
 (:meth:`TierPromotions.ahead`). At the end of each step, the oldest request still
 waiting for its first lookup (the next one vLLM admits) has what only a secondary tier
-holds of its prefix promoted, in prefix order up to the first key no tier holds, with
+holds of its prefix promoted, in prefix order up to the first key no tier's index
+holds (what the tiers know without asking: no store probed, no counter moved), with
 the same holds and pins as a lookup's promotions: all of it, where it fits in the
 promotions' room, or nothing. When vLLM looks the request up, the blocks are in the
 host tier: a hit that loads in the step that admits it. A request leaves the queue
@@ -57,6 +58,7 @@ class TierPromotions:
     _room_reqs: dict[str, int]
     _load_sources: OrderedDict[bytes, str]
     _ahead: OrderedDict[str, list[bytes]]
+    _ahead_seen: tuple[object, ...]
     _refused: OrderedDict[bytes, int]
 
     def _digest(self, key: bytes) -> bytes:
@@ -121,6 +123,18 @@ class TierPromotions:
         evicted since, and the keys of a prefix another request computes written."""
         req_id, keys = next(iter(self._ahead.items()))
         pool = self.pool
+        # What the last look found holds while nothing it read changed (most steps).
+        seen = (
+            req_id,
+            pool,
+            pool.key_changes,
+            len(self._promoting) + len(self._fresh),
+            len(self._refused),
+            *(tier.index_size for tier in self.secondary_tiers),
+        )
+        if seen == self._ahead_seen:
+            return
+        self._ahead_seen = seen
         wanted: list[tuple[bytes, bytes, int]] = []  # key, digest, tier index
         end = index = pool.lookup(keys)  # (the leading keys the host tier holds)
         for key in itertools.islice(keys, index, None):
@@ -132,14 +146,9 @@ class TierPromotions:
             if self._refused and key in self._refused:
                 break
             digest = self._digest(key)
-            source = None
-            for idx, tier in enumerate(self.secondary_tiers):
-                found = tier.contains(digest)
-                if found is None:
-                    return  # a store tier is asking its store: next step
-                if found:
-                    source = idx
-                    break
+            source = next(
+                (i for i, tier in enumerate(self.secondary_tiers) if tier.indexed(digest)), None
+            )
             if source is None:
                 break
             wanted.append((key, digest, source))

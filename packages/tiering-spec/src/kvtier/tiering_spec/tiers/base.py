@@ -249,6 +249,16 @@ class SecondaryTier(ABC):
         """Indexed or being written (no I/O, no counters)."""
         return digest in self._index or digest in self._writing
 
+    def indexed(self, digest: bytes) -> bool:
+        """Whether a read of ``digest`` can start now, from what the tier already knows
+        (no I/O, no probe, no counters: a look ahead, not a lookup)."""
+        return digest in self._index
+
+    @property
+    def index_size(self) -> int:
+        """Digests the tier's index holds (no I/O)."""
+        return len(self._index)
+
     def finish_request(self, digests: Sequence[bytes], reused: Collection[bytes]) -> None:
         """A request finished with ``digests`` (head first); those in ``reused`` it
         loaded rather than computed."""
