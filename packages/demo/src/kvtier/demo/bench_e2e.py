@@ -24,7 +24,7 @@ Workloads:
   them, so vLLM alone recomputes less);
 * ``prefix``: 4 prefixes of 768 tokens asked 3 times round-robin (own 32-token suffix,
   16 generated), 60 device blocks (two requests fit, the prefixes do not stay):
-  ``CPUOffloadingSpec`` with 1 GiB, and a 24 MiB host tier plus an fs tier; and the
+  ``CPUOffloadingSpec`` with 1 GiB, and a 48 MiB host tier plus an fs tier; and the
   host tier restoring every hit between steps (``sync_load_budget_bytes`` 0), as
   vLLM's own connector does;
 * ``prefix-long``: 3 prefixes of 960 tokens asked 3 times, a prefill in chunks of 256
@@ -77,7 +77,11 @@ BASE_ENGINE: dict[str, Any] = {
     "gpu_memory_utilization": 0.3,
 }
 HOST_BYTES = 1 << 30
-SMALL_HOST_BYTES = 24 << 20  # 24 chunks of the model's 1 MiB blocks; the prefixes need 96
+# Half of the 4 prefixes (96 chunks of 1 MiB): too small for the workload, and room for
+# a prefix to come up from the fs tier (promotions take half the host tier at most)
+# while the prompts before it are stored. At 24 MiB, one prefix filled the host tier:
+# a promotion could never complete before its request's turn, and it waited a seat.
+SMALL_HOST_BYTES = 48 << 20
 
 
 @dataclass
@@ -214,7 +218,7 @@ def scenarios(fs_root: str) -> list[Scenario]:
                     _offload_kv("CPUOffloadingSpec", HOST_BYTES),
                 ),
                 Run(
-                    "kvtier host 24 MiB + fs tier",
+                    "kvtier host 48 MiB + fs tier",
                     "kvtier",
                     tight_prefix,
                     _offload_kv("TieringOffloadingSpec", SMALL_HOST_BYTES, fs_root),
