@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 
 from kvtier.testkit import Workload, compare_outputs, kv_transfer_config, run_with  # noqa: E402
 from kvtier.testkit.engine import kv_connector_of  # noqa: E402
+from kvtier.vllm_port import sync_loads  # noqa: E402
 
 WORKLOAD = Workload(prefix_prompts(), 8)
 
@@ -190,7 +191,8 @@ def test_a_waiting_requests_prefix_comes_up_from_the_fs_tier_before_its_turn(
     the last two or three), and each request waits in vLLM's queue behind two running
     ones. Promoted while it waits, its prefix is a host hit when vLLM first looks it up:
     no lookup reads "not known yet", which would make vLLM skip the request and give its
-    seat to the next one (it then waited for a running request to finish)."""
+    seat to the next one (it then waited for a running request to finish). That holds
+    where restores run inside the step (vLLM 0.32 on)."""
     cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(tmp_path))
     first_answers: dict[str, int | None] = {}
     with testkit.llm_session(model, kv_transfer_config=kv_transfer_config(cfg), **ENGINE) as llm:
@@ -205,7 +207,11 @@ def test_a_waiting_requests_prefix_comes_up_from_the_fs_tier_before_its_turn(
         scheduler.get_num_new_matched_tokens = first_answer
         res = testkit.run_workload(llm, WORKLOAD)
         counters = scheduler.manager.core.counters
+        in_step = sync_loads.native(scheduler) or hasattr(scheduler, "_kvtier_sync_loads")
     assert_identical(reference(model), res)
-    waited = [req for req, hit in first_answers.items() if hit is None]
-    assert not waited, (waited, counters)
     assert counters.promoted_ahead > 0, counters
+    if in_step:
+        # (vLLM 0.23 restores between steps, each holding its promoted blocks until its
+        # load ends, so requests there also wait for the promotions' room.)
+        waited = [req for req, hit in first_answers.items() if hit is None]
+        assert not waited, (waited, counters)

@@ -22,6 +22,10 @@ def test_the_next_requests_prefix_is_a_host_hit_when_vllm_first_asks(make_tier) 
     mgr.end_step()
     settle(mgr)
     assert mgr.counters.promoted_ahead == 3, "up to the key no tier holds"
+    stats = mgr.secondary_tiers[0].stats
+    assert (stats.queries, stats.hits) == (3, 3), "counted as the lookups that found them"
+    mgr.end_step()
+    assert (stats.queries, stats.hits) == (3, 3), "a look that promotes nothing counts none"
     assert mgr.lookup_prefix([*prefix, b"tail"], "r") == (3, None), "hits, nothing pending"
     assert mgr.pool.held(Hold.PROMOTION) == 3, "pinned until vLLM loads them"
     mgr.prepare_load(prefix)

@@ -355,6 +355,14 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
                     if keys:
                         manager.promote_ahead(keys, context)
 
+    def update_state_after_alloc(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        manager = self._kvtier_manager
+        if manager is not None:
+            # Admitted (vLLM may admit it without asking the manager, its prompt all
+            # on the device): it no longer waits, nothing is promoted ahead for it.
+            manager.core.forget_ahead(request.request_id)
+        return super().update_state_after_alloc(request, *args, **kwargs)
+
     def take_events(self) -> Any:
         if self._kvtier_manager is not None and not self._kvtier_events:
             return ()  # neither vLLM's tracker nor kvtier's tiers record any

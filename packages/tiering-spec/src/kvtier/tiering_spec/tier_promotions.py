@@ -14,13 +14,15 @@ So kvtier's connector hands the manager each request's offload keys when vLLM ad
 (:meth:`TierPromotions.ahead`). At the end of each step, the oldest request still
 waiting for its first lookup (the next one vLLM admits) has what only a secondary tier
 holds of its prefix promoted, in prefix order up to the first key no tier's index
-holds (what the tiers know without asking: no store probed, no counter moved), with
+holds (what the tiers know without asking: no store is probed, and only a key promoted
+counts, as the tier's hit its lookup would have been), with
 the same holds and pins as a lookup's promotions: all of it, where it fits in the
 promotions' room, or nothing. When vLLM looks the request up, the blocks are in the
 host tier: a hit that loads in the step that admits it. A request leaves the queue
-when vLLM first looks it up or when it finishes. One request at a time: promoted
-further ahead, blocks would take the room and the host tier from requests vLLM admits
-before them.
+when vLLM first looks it up, when vLLM admits it (it may without a lookup, its prompt
+all on the device) or when it finishes. One request at a time: promoted further
+ahead, blocks would take the room and the host tier from requests vLLM admits before
+them.
 
 :class:`TierPromotions` is a part of :class:`~kvtier.tiering_spec.manager.TierManager`,
 on the manager's own state (declared below).
@@ -165,5 +167,6 @@ class TierPromotions:
                 if not self._promote(source, key, digest, req_id):
                     break
                 self.counters.promoted_ahead += 1
+                self.secondary_tiers[source].served_ahead()  # (its metrics count it)
         finally:
             pool.release(held, Hold.LOOKUP_PASS)

@@ -254,6 +254,12 @@ class SecondaryTier(ABC):
         (no I/O, no probe, no counters: a look ahead, not a lookup)."""
         return digest in self._index
 
+    def served_ahead(self) -> None:
+        """A key :meth:`indexed` found is read for a request before vLLM looks it up:
+        counted as the lookup that would have found it (a query and a hit)."""
+        self.stats.queries += 1
+        self.stats.hits += 1
+
     @property
     def index_size(self) -> int:
         """Digests the tier's index holds (no I/O)."""
