@@ -42,7 +42,11 @@ def test_only_the_oldest_waiting_request_is_promoted(make_tier) -> None:
     settle(mgr)
     assert all(mgr.pool.contains(k) for k in p)
     assert not any(mgr.pool.contains(k) or mgr.pool.is_storing(k) for k in q), "q waits"
-    assert mgr.lookup_prefix(p, "p") == (2, None)  # vLLM asks for p: q is next
+    assert mgr.lookup_prefix(p, "p") == (2, None)
+    mgr.end_step()
+    settle(mgr)
+    assert not any(mgr.pool.contains(k) for k in q), "p is still the next one vLLM admits"
+    mgr.forget_ahead("p")  # vLLM admitted it: q is next
     mgr.end_step()
     settle(mgr)
     assert all(mgr.pool.contains(k) for k in q)

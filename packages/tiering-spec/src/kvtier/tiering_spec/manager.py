@@ -141,7 +141,7 @@ class TierManager(TierPromotions, TierJobs):
         # touches and the request's end all need it); forgotten all at once when full.
         self._digests: dict[bytes, bytes] = {}
         self._max_digests = max(1024, 2 * pool.num_blocks)
-        # Requests waiting for their first lookup, oldest first (TierPromotions).
+        # Requests vLLM has not admitted yet, oldest first (TierPromotions).
         self._ahead: OrderedDict[str, list[bytes]] = OrderedDict()
         self._ahead_seen: tuple[object, ...] = ()
 
@@ -156,8 +156,6 @@ class TierManager(TierPromotions, TierJobs):
         if self._pass_req != req_id:
             self._end_pass()
             self._pass_req = req_id
-            if self._ahead:  # vLLM asks for it itself now
-                self._ahead.pop(req_id, None)
             self.flush()  # the previous request's promotions
             # Once a pass, not once a key: a read that ends during the pass is a
             # HIT_PENDING, which vLLM asks again next step.

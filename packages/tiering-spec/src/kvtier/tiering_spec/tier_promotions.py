@@ -11,16 +11,16 @@ skipped request then waits for a running one to finish, many steps for a read of
 milliseconds.
 
 So kvtier's connector hands the manager each request's offload keys when vLLM adds it
-(:meth:`TierPromotions.ahead`). At the end of each step, the oldest request still
-waiting for its first lookup (the next one vLLM admits) has what only a secondary tier
-holds of its prefix promoted, in prefix order up to the first key no tier's index
-holds (what the tiers know without asking: no store is probed, and only a key promoted
-counts, as the tier's hit its lookup would have been), with
-the same holds and pins as a lookup's promotions: all of it, where it fits in the
-promotions' room, or nothing. When vLLM looks the request up, the blocks are in the
-host tier: a hit that loads in the step that admits it. A request leaves the queue
-when vLLM first looks it up, when vLLM admits it (it may without a lookup, its prompt
-all on the device) or when it finishes. One request at a time: promoted further
+(:meth:`TierPromotions.ahead`). At the end of each step, the oldest request vLLM has
+not admitted yet (the next one it admits) has what only a secondary tier holds of its
+prefix promoted, in prefix order up to the first key no tier's index holds (what the
+tiers know without asking: no store is probed, and only a key promoted counts, as the
+tier's hit its lookup would have been), with the same holds and pins as a lookup's
+promotions: all of it, where it fits in the promotions' room, or nothing. When vLLM
+looks the request up, the blocks are in the host tier: a hit that loads in the step
+that admits it. A request leaves the queue when vLLM admits it or when it finishes (a
+lookup that read "ask again" leaves it the next one vLLM admits: vLLM skips it and
+looks up every request behind it as well). One request at a time: promoted further
 ahead, blocks would take the room and the host tier from requests vLLM admits before
 them.
 
@@ -40,13 +40,13 @@ from kvtier.tiering_spec.tiers.base import SecondaryTier
 
 # Promotions' sources remembered (the oldest are forgotten first).
 _MAX_LOAD_SOURCES = 100_000
-# Requests waiting for their first lookup remembered at most (more are not).
+# Requests waiting for admission remembered at most (more are not).
 MAX_AHEAD = 4096
 
 
 class TierPromotions:
-    """The promotions' room, and promoting the prefixes of requests that wait for their
-    first lookup."""
+    """The promotions' room, and promoting the prefixes of requests that wait for
+    vLLM to admit them."""
 
     # The manager's state these methods use (see TierManager.__init__).
     pool: HostBlockPool
@@ -110,19 +110,19 @@ class TierPromotions:
             queue[req_id] = list(keys)
 
     def forget_ahead(self, req_id: str) -> None:
-        """``req_id`` finished (or vLLM looks it up itself)."""
+        """vLLM admitted ``req_id``, or it finished."""
         if self._ahead:
             self._ahead.pop(req_id, None)
 
     def _promote_ahead(self) -> None:
         """At the end of a step: promote what only a secondary tier holds of the prefix
-        of the oldest request still waiting for its first lookup (the next one vLLM
-        admits), in prefix order up to the first key no tier holds. All of it or
-        nothing: a part would leave the rest to its lookup, which waits for it all the
-        same, and these pins last until vLLM admits the request, so they stay within
-        the room (never beyond it, as the oldest holder of a lookup may go: stores
-        need the rest). Looked at again each step: its cached keys may have been
-        evicted since, and the keys of a prefix another request computes written."""
+        of the oldest request vLLM has not admitted (the next one it admits), in prefix
+        order up to the first key no tier holds. All of it or nothing: a part would
+        leave the rest to its lookup, which waits for it all the same, and these pins
+        last until vLLM admits the request, so they stay within the room (never beyond
+        it, as the oldest holder of a lookup may go: stores need the rest). Looked at
+        again each step: its cached keys may have been evicted since, and the keys of a
+        prefix another request computes written."""
         req_id, keys = next(iter(self._ahead.items()))
         pool = self.pool
         # What the last look found holds while nothing it read changed (most steps).
