@@ -126,6 +126,23 @@ def _offload_kv(
     }
 
 
+def _fresh_tiers(kv: dict[str, Any]) -> dict[str, Any]:
+    """``kv`` with each fs tier in a new folder under its ``root_dir``: every run of an
+    engine starts with an empty fs tier (a repeat would otherwise find the files of the
+    run before it and serve even the first pass from them)."""
+    extra = kv.get("kv_connector_extra_config", {})
+    tiers = extra.get("secondary_tiers")
+    if not tiers:
+        return kv
+    fresh = [
+        {**t, "root_dir": tempfile.mkdtemp(prefix="run-", dir=t["root_dir"])}
+        if t.get("type") == "fs"
+        else t
+        for t in tiers
+    ]
+    return {**kv, "kv_connector_extra_config": {**extra, "secondary_tiers": fresh}}
+
+
 def server_args(engine: dict[str, Any], kv: dict[str, Any] | None) -> list[str]:
     """``vllm serve`` arguments for an engine configuration of this module."""
     from kvtier.testkit.server import kv_transfer_arg
@@ -372,7 +389,7 @@ def _run_once(
     engine = dict(run.engine)
     offloading = run.kv is not None and run.kv["kv_connector"] == "OffloadingConnector"
     if run.kv is not None:
-        engine["kv_transfer_config"] = kv_transfer_config(run.kv)
+        engine["kv_transfer_config"] = kv_transfer_config(_fresh_tiers(run.kv))
     llm = make_llm(model, **engine)
     timeline = None
     try:
