@@ -91,3 +91,30 @@ def test_a_private_region_above_available_memory_is_refused(
         HostRegion.private(4, 4096)
     with HostRegion.private(3, 4096) as region:
         assert region.nbytes == 3 * 4096
+
+
+def test_an_unpinned_private_region_is_allocated_at_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where nothing page-locks it (no accelerator), the region's memory is allocated
+    when it is made, not page by page by the stores that first write it; a machine that
+    cannot give it refuses it then, naming the keys."""
+    import errno
+
+    from kvtier.blockpool import host_memory
+
+    reserved: list[int] = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(
+        host_memory.os, "posix_fallocate", lambda fd, off, n: (reserved.append(n), real(fd, off, n))
+    )
+    with HostRegion.private(3, 4096, pin=False) as region:
+        assert region.nbytes == 3 * 4096
+    assert reserved == [3 * 4096]
+
+    def full(fd: int, off: int, n: int) -> None:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(host_memory.os, "posix_fallocate", full)
+    with pytest.raises(InsufficientHostMemoryError, match="cpu_bytes_to_use"):
+        HostRegion.private(3, 4096, pin=False)

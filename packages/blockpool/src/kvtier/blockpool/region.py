@@ -134,8 +134,9 @@ class HostRegion:
         accel = pin_description()
         # An exactly sized mapping of its own (named in /proc/<pid>/maps), never a
         # caching allocator's block: torch's pinned host allocator rounds a request up
-        # to a power of two, so 12 GiB would pin 16 GiB.
-        tensor = exact_mapping(size)
+        # to a power of two, so 12 GiB would pin 16 GiB. Allocated now where it will
+        # not be page-locked (which allocates it), not by the stores' first writes.
+        tensor = exact_mapping(size, reserve=not (pin and accel != "none"))
         registered = False
         if pin and accel != "none":
             registered = cuda_host_register(tensor)
