@@ -142,7 +142,7 @@ class TierManager(TierPromotions, TierJobs):
         self._digests: dict[bytes, bytes] = {}
         self._max_digests = max(1024, 2 * pool.num_blocks)
         # Requests vLLM has not admitted yet, oldest first (TierPromotions).
-        self._ahead: OrderedDict[str, list[bytes]] = OrderedDict()
+        self._ahead: OrderedDict[str, Sequence[bytes]] = OrderedDict()
         self._ahead_seen: tuple[object, ...] = ()
 
     # ------------------------------------------------------------------ lookups

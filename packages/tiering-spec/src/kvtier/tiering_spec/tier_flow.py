@@ -92,7 +92,7 @@ class TierCounters:
     promotion_failures: int = 0
     promotion_allocation_failures: int = 0
     promotions_deferred: int = 0
-    promoted_ahead: int = 0  # promotions for requests waiting for their first lookup
+    promoted_ahead: int = 0  # promotions for requests vLLM has not admitted yet
     writes_submitted: int = 0
     writes_dropped: int = 0
     write_failures: int = 0

@@ -59,18 +59,22 @@ class TierPromotions:
     _room_owner: dict[bytes, str]
     _room_reqs: dict[str, int]
     _load_sources: OrderedDict[bytes, str]
-    _ahead: OrderedDict[str, list[bytes]]
+    _ahead: OrderedDict[str, Sequence[bytes]]
     _ahead_seen: tuple[object, ...]
     _refused: OrderedDict[bytes, int]
 
     def _digest(self, key: bytes) -> bytes:
         raise NotImplementedError
 
+    def _room_used(self) -> int:
+        """Blocks in the promotions' room: promoting, and promoted but not loaded."""
+        return len(self._promoting) + len(self._fresh)
+
     def _room_full(self, req_id: str) -> bool:
         """Whether ``req_id`` must wait for the promotions' room. The oldest holder goes
         on (as the host tier allows): waiting, it would wait on its own pins, or on a
         request that waits on it."""
-        return len(self._promoting) + len(self._fresh) >= self.max_promoting and (
+        return self._room_used() >= self.max_promoting and (
             next(iter(self._room_reqs), None) != req_id
         )
 
@@ -102,12 +106,13 @@ class TierPromotions:
 
     def ahead(self, req_id: str, keys: Sequence[bytes]) -> None:
         """vLLM added request ``req_id`` whose prompt's offload keys are ``keys``, in
-        prefix order: promote what only a secondary tier holds while it waits."""
+        prefix order: promote what only a secondary tier holds while it waits. ``keys``
+        is kept as given: a list of the caller's own, which nobody changes after."""
         if not self.secondary_tiers or not keys:
             return
         queue = self._ahead
         if len(queue) < MAX_AHEAD:  # (beyond, vLLM admits many before these)
-            queue[req_id] = list(keys)
+            queue[req_id] = keys
 
     def forget_ahead(self, req_id: str) -> None:
         """vLLM admitted ``req_id``, or it finished."""
@@ -130,7 +135,7 @@ class TierPromotions:
             req_id,
             pool,
             pool.key_changes,
-            len(self._promoting) + len(self._fresh),
+            self._room_used(),
             len(self._refused),
             *(tier.index_size for tier in self.secondary_tiers),
         )
@@ -155,9 +160,7 @@ class TierPromotions:
                 break
             wanted.append((key, digest, source))
             end = index
-        if not wanted or len(self._promoting) + len(self._fresh) + len(wanted) > (
-            self.max_promoting
-        ):
+        if not wanted or self._room_used() + len(wanted) > self.max_promoting:
             return
         # Its own promotions must not evict the keys it will hit first.
         held = [k for k in keys[:end] if pool.contains(k)]

@@ -152,13 +152,8 @@ class KvtierOffloadingManager(OffloadingManager):
         """Called by kvtier's connector when vLLM adds a request, with its prompt's
         offload keys: what only a secondary tier holds of them is promoted while the
         request waits (see :mod:`kvtier.tiering_spec.tier_promotions`)."""
-        core = self.core
-        if (
-            core.secondary_tiers
-            and self.side.offload.no_loads_reason is None
-            and self._secondary(req_context)
-        ):
-            core.ahead(req_context.req_id, cast(Sequence[bytes], keys))
+        if self.side.offload.no_loads_reason is None and self._secondary(req_context):
+            self.core.ahead(req_context.req_id, cast(Sequence[bytes], keys))
 
     def _secondary(self, req_context: ReqContext) -> bool:
         """Whether the request may read and write the secondary (persistent) tiers."""
