@@ -136,9 +136,10 @@ class HostRegion:
         # caching allocator's block: torch's pinned host allocator rounds a request up
         # to a power of two, so 12 GiB would pin 16 GiB. Allocated now where it will
         # not be page-locked (which allocates it), not by the stores' first writes.
-        tensor = exact_mapping(size, reserve=not (pin and accel != "none"))
+        lock = pin and accel != "none"
+        tensor = exact_mapping(size, reserve=not lock)
         registered = False
-        if pin and accel != "none":
+        if lock:
             registered = cuda_host_register(tensor)
             if registered:
                 pinned, method = True, f"{accel} host registration of exactly {size} bytes"
