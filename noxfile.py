@@ -508,6 +508,7 @@ E2E_TESTS = {
         "tests/tiering_spec_tests/test_e2e.py",
         "tests/tiering_spec_tests/test_e2e_tp2.py",
         "tests/tiering_spec_tests/test_plugin.py",
+        "tests/tiering_spec_tests/test_connector_build.py",
         "tests/tiering_spec_tests/test_fault_battery.py",
     ],
     "kvtier-demo": ["tests/demo_tests/test_server.py"],

@@ -85,10 +85,13 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
     recomputed instead of failing vLLM's assertion."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # vLLM's constructor builds the spec: hand it this engine's configs explicitly.
-        given = _BASE_INIT.bind_partial(self, *args, **kwargs).arguments
-        with compat.PORT.building_spec(given.get("vllm_config"), given.get("kv_cache_config")):
-            super().__init__(*args, **kwargs)
+        # vLLM's constructor, run by the port, which hands a kvtier spec the engine's facts.
+        bound = _BASE_INIT.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        compat.PORT.init_offloading_connector(
+            self, _Base, given["vllm_config"], given["role"], given["kv_cache_config"]
+        )
         self._kvtier_worker_spec: _KvtierSpec | None = None
         self._kvtier_manager: KvtierOffloadingManager | None = None
         self._kvtier_events = True

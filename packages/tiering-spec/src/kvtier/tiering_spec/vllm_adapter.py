@@ -131,7 +131,7 @@ class _KvtierSpec(OffloadingSpec):
         _stand_in_for_vllms_cpu_spec()
         return compat.metric_definitions(cls.kvtier_metric_table(extra_config))
 
-    def __init__(self, *args: Any) -> None:
+    def __init__(self, *args: Any, engine_facts: EngineFacts | None = None) -> None:
         compat.init_spec(self, *args)
         extra: dict[str, Any] = self.extra_config
         self.settings: OffloadConfig = parse_config(extra, tiering=self.TIERING)
@@ -140,9 +140,11 @@ class _KvtierSpec(OffloadingSpec):
         if "sync_load_budget_bytes" not in extra:
             sync_budget = self.settings.sync_load_budget_bytes
             self.extra_config = {**extra, "sync_load_budget_bytes": sync_budget}
-        # The connector building this spec hands over the engine's facts: what identifies
-        # the model and the KV layout (only the fs tier's fingerprint needs all of it).
-        facts = offload_facts(self, compat.engine_facts(self))
+        # What identifies the model and the KV layout (only the fs tier's fingerprint needs
+        # all of it): kvtier's connector hands it over (vLLM 0.26 and later hand a spec
+        # only an OffloadingConfig); older releases hand the spec the configs themselves.
+        engine = engine_facts if engine_facts is not None else compat.engine_facts(self)
+        facts = offload_facts(self, engine)
         self.offload: Offload = build(
             facts, self.settings, tiering=self.TIERING, name=type(self).__name__
         )

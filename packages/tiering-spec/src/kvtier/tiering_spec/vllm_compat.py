@@ -87,13 +87,14 @@ create_spec = PORT.create_spec
 
 
 def engine_facts(spec: Any) -> EngineFacts | None:
-    """The facts of the engine behind ``spec``, or None.
+    """The facts of the engine behind ``spec``, read from the spec, or None.
 
-    vLLM 0.26 and later hand a spec only an ``OffloadingConfig``, which names the model
-    by its path alone; kvtier's connector hands the facts over while it builds the spec
-    (``PORT.building_spec``). A spec built outside it (vLLM's own connector, an offline
-    replay) gets None: its fs tier's fingerprint is then unverified, as the start-up
-    log says. Older releases hand the spec the engine's configs themselves.
+    vLLM 0.23 to 0.25 hand a spec the engine's configs themselves. From 0.26 on a spec
+    is handed only an ``OffloadingConfig``, which names the model by its path alone:
+    kvtier's connector builds its specs with the facts as an argument
+    (``PORT.create_spec``), and a spec built outside it (vLLM's own connector, an offline
+    replay) has none: its fs tier's fingerprint is then unverified, as the start-up log
+    says.
     """
     return PORT.spec_engine_facts(spec)
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 from typing import Any, cast
 
@@ -40,8 +39,11 @@ class LegacyPort(VllmPort):
             getattr(spec, "vllm_config", None), getattr(spec, "kv_cache_config", None)
         )
 
-    def building_spec(self, vllm_config: Any, kv_cache_config: Any) -> Any:
-        return contextlib.nullcontext()  # the spec is handed the configs themselves
+    def init_offloading_connector(
+        self, connector: Any, base: Any, vllm_config: Any, role: Any, kv_cache_config: Any
+    ) -> None:
+        # vLLM's constructor hands the spec the configs themselves: nothing to add.
+        base.__init__(connector, vllm_config, role, kv_cache_config)
 
     @property
     def spec_metrics(self) -> bool:  # 0.24 and 0.25

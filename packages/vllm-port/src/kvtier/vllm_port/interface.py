@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 from typing import Any, ClassVar, TypeVar, cast
@@ -29,6 +30,18 @@ CONNECTOR_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 def offload_base() -> Any:
     # Kept: the manager's lookups, events and the worker's results ask for it per call.
     return importlib.import_module("vllm.v1.kv_offload.base")
+
+
+#: The keyword argument of a spec class that takes the engine's facts (kvtier's specs).
+ENGINE_FACTS_ARG = "engine_facts"
+
+
+def takes_engine_facts(spec_cls: type) -> bool:
+    """Whether ``spec_cls``'s constructor takes the engine's facts (``engine_facts=``)."""
+    try:
+        return ENGINE_FACTS_ARG in inspect.signature(spec_cls).parameters
+    except (TypeError, ValueError):  # no signature to read: vLLM's way only
+        return False
 
 
 class VllmPort(abc.ABC):
@@ -53,16 +66,23 @@ class VllmPort(abc.ABC):
 
     @abc.abstractmethod
     def create_spec(self, spec_cls: type, vllm_config: Any, kv_cache_config: Any) -> Any:
-        """``spec_cls`` built the way this vLLM's ``OffloadingConnector`` builds it."""
+        """``spec_cls`` built the way kvtier's ``OffloadingConnector`` builds it: as vLLM's
+        connector does, and where the class takes them (:func:`takes_engine_facts`)
+        handed this engine's facts as an argument."""
+
+    @abc.abstractmethod
+    def init_offloading_connector(
+        self, connector: Any, base: Any, vllm_config: Any, role: Any, kv_cache_config: Any
+    ) -> None:
+        """Run ``base``'s constructor (vLLM's ``OffloadingConnector``) on ``connector``,
+        with its spec built by :meth:`create_spec`."""
 
     @abc.abstractmethod
     def spec_engine_facts(self, spec: Any) -> EngineFacts | None:
-        """The facts of the engine ``spec`` serves, or None where nobody handed them
-        over (a spec built outside kvtier's connector on vLLM 0.26 and later)."""
-
-    @abc.abstractmethod
-    def building_spec(self, vllm_config: Any, kv_cache_config: Any) -> Any:
-        """A context manager: specs built inside it see this engine's facts."""
+        """The facts of the engine a spec serves, read from the spec itself: from the
+        configs it was built from (vLLM 0.23 to 0.25); None where a spec is handed only
+        an ``OffloadingConfig`` (0.26 and later: kvtier's connector hands its specs the
+        facts as an argument, see :meth:`create_spec`)."""
 
     @property
     @abc.abstractmethod

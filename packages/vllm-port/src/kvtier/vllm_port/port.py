@@ -6,8 +6,9 @@ implementation each, chosen once when a kvtier plugin registers (:func:`select`)
 
 * :class:`OffloadingConfigPort`, vLLM 0.26 and later: a spec is built from an
   ``OffloadingConfig`` (``vllm.v1.kv_offload.config``), which names the engine's model
-  by its path alone, so kvtier's connector hands the spec the engine's facts while it
-  builds it (:meth:`VllmPort.building_spec`). Its worker is an ``OffloadingWorker`` and
+  by its path alone, so kvtier's connector runs vLLM's connector constructor's steps
+  itself and builds its spec with the engine's facts as an argument
+  (:meth:`VllmPort.init_offloading_connector`). Its worker is an ``OffloadingWorker`` and
   its manager answers lookups with a ``LookupResult``.
 * :class:`LegacyPort`, vLLM 0.23 to 0.25: a spec is built from ``(vllm_config,
   kv_cache_config)`` and reads the facts from them; vLLM drives a spec's transfers
