@@ -98,6 +98,19 @@ def test_keys_of_the_request_itself_are_not_evicted_for_it() -> None:
     assert plan is not None and plan.evicted == [k(1)] and pool.lookup([k(0)]) == 1
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc", "frecency"])
+def test_keys_the_request_loaded_are_kept_while_it_stores_its_tail(policy: str) -> None:
+    pool = HostBlockPool(3, eviction_policy=policy)
+    stored(pool, [k(0)])  # the request's head, loaded (its load done: unpinned)
+    stored(pool, [k(1)])
+    stored(pool, [k(2)])
+    pool.touch([k(2), k(1)])  # the head is the least recent
+    plan = pool.prepare_store([k(3)], keep=[k(0)])
+    assert plan is not None and plan.evicted != [k(0)] and pool.lookup([k(0)]) == 1
+    # With everything cached kept, no room can be made: the store is refused.
+    assert pool.prepare_store([k(4), k(5)], keep=[k(0), k(1), k(2)]) is None
+
+
 def test_pinned_block_is_never_evicted() -> None:
     pool = HostBlockPool(3, eviction_policy="lru")
     stored(pool, [k(0), k(1), k(2)])

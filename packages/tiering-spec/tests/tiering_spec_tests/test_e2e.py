@@ -215,3 +215,31 @@ def test_a_waiting_requests_prefix_comes_up_from_the_fs_tier_before_its_turn(
         # load ends, so requests there also wait for the promotions' room.)
         waited = [req for req, hit in first_answers.items() if hit is None]
         assert not waited, (waited, counters)
+
+
+def test_the_traffic_it_serves_is_recorded_as_a_trace(model: Path, tmp_path: Path) -> None:
+    """``record_traffic_dir``: every request of the run, in arrival order, with its
+    lengths and one id per 32-token chunk; a prefix asked twice has the same ids."""
+    from kvtier.tiering_spec.tracefile import load_trace_file
+
+    folder = tmp_path / "traffic"
+    cfg = offload_config("CPUOffloadingSpec", host_chunks=64)
+    cfg["kv_connector_extra_config"]["record_traffic_dir"] = str(folder)
+    res, _ = run_with(model, WORKLOAD, kv_transfer_config=kv_transfer_config(cfg), **ENGINE)
+    assert_identical(reference(model), res)
+    (path,) = folder.glob("traffic-*.jsonl")
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    trace = load_trace_file(path)
+    assert trace.header is not None and trace.header["tokens_per_id"] == 32
+    assert trace.header["bytes_per_id"] == 65536
+    assert trace.end == {"requests": len(WORKLOAD.prompts), "dropped": 0}, "closed at shutdown"
+    prompts = WORKLOAD.prompts
+    assert [r.input_length for r in trace.requests] == [len(p) for p in prompts]
+    assert all(r.output_length == WORKLOAD.max_tokens for r in trace.requests)
+    assert [len(r.hash_ids) for r in trace.requests] == [len(p) // 32 for p in prompts]
+    by_prefix: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+    for prompt, req in zip(prompts, trace.requests):
+        by_prefix.setdefault(tuple(prompt[:128]), set()).add(req.hash_ids[:4])
+    assert all(len(ids) == 1 for ids in by_prefix.values()), "a prefix keeps its ids"
+    heads = [next(iter(ids)) for ids in by_prefix.values()]
+    assert len({i for ids in heads for i in ids}) == 4 * len(heads), "prefixes share none"

@@ -9,7 +9,7 @@ the pool's, called on ``filter.pool``. Units: keys (one key is one block).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from types import MappingProxyType
 
 from kvtier.blockpool.budget import require_positive_int
@@ -75,7 +75,9 @@ class StoreAdmissionFilter:
         self.record(keys)
         return self.pool.lookup(keys)
 
-    def prepare_store(self, keys: Sequence[Hashable]) -> StorePlan | None:
+    def prepare_store(
+        self, keys: Sequence[Hashable], keep: Collection[Hashable] = ()
+    ) -> StorePlan | None:
         """The pool's ``prepare_store`` of ``keys`` without the new keys not admitted
         yet; those are counted once each in ``stores_skipped``. Keys already in the
         pool stay in the call, so its eviction still spares them."""
@@ -84,4 +86,4 @@ class StoreAdmissionFilter:
         if refused:
             self.stores_skipped += len(refused)
             keys = [k for k in keys if k not in refused]
-        return pool.prepare_store(keys)
+        return pool.prepare_store(keys, keep)

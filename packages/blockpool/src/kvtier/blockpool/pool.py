@@ -129,11 +129,15 @@ class HostBlockPool(PoolHolds):
     def is_storing(self, key: Hashable) -> bool:
         return self._keys.get(key, 0) < 0
 
-    def prepare_store(self, keys: Sequence[Hashable]) -> StorePlan | None:
+    def prepare_store(
+        self, keys: Sequence[Hashable], keep: Collection[Hashable] = ()
+    ) -> StorePlan | None:
         """Reserve blocks for the ``keys`` not yet present (cached or storing).
 
-        Evicts unpinned cached keys (never one of ``keys``) when free blocks are
-        short. Returns ``None``, changing nothing, when room cannot be made.
+        Evicts unpinned cached keys (never one of ``keys`` or of ``keep``: the keys
+        the storing request loaded or reused, whose recency it refreshes only when it
+        finishes) when free blocks are short. Returns ``None``, changing nothing, when
+        room cannot be made.
         """
         table = self._keys
         new_keys = [k for k in keys if k not in table]
@@ -147,7 +151,7 @@ class HostBlockPool(PoolHolds):
         alloc = self._alloc
         evicted: list[Any] = []
         if n > alloc.num_free:
-            victims = self._evict(n - alloc.num_free, present)
+            victims = self._evict(n - alloc.num_free, [*present, *keep] if keep else present)
             if victims is None:
                 return None
             evicted, reused = victims

@@ -31,7 +31,9 @@ Connectors (``--connectors``):
 * ``kvtier-host``: kvtier's ``CPUOffloadingSpec`` (host tier, room for every block);
 * ``kvtier-fs``: kvtier's ``TieringOffloadingSpec``, a host tier that holds about a
   quarter of the workload's blocks in front of an ``fs`` tier;
-* ``recompute``: kvtier's ``RecomputeCPUOffloadConnector``.
+* ``recompute``: kvtier's ``RecomputeCPUOffloadConnector``;
+* ``kvtier-rec``: ``kvtier-host`` recording the traffic (``record_traffic_dir``); run
+  only when named: beside ``kvtier-host`` it gives what recording adds to a step.
 
 Workloads (``--only``): ``room-8``, ``room-64``, ``room-256`` (that many requests
 running at once, room for all on the device: the cost when nothing needs moving),
@@ -307,6 +309,12 @@ def connector_config(name: str, wl: StepWorkload, fs_root: str) -> dict[str, Any
                 "secondary_tiers": [{"type": "fs", "root_dir": fs_root}],
             },
         }
+    if name == "kvtier-rec":
+        host = connector_config("kvtier-host", wl, fs_root)
+        assert host is not None
+        extra = host["kv_connector_extra_config"]
+        extra["record_traffic_dir"] = os.path.join(fs_root, "traffic")
+        return host
     if name == "recompute":
         return {
             "kv_connector": "RecomputeCPUOffloadConnector",
@@ -316,7 +324,9 @@ def connector_config(name: str, wl: StepWorkload, fs_root: str) -> dict[str, Any
     raise ValueError(f"unknown connector {name!r}")
 
 
-CONNECTORS = ("none", "vllm", "kvtier-host", "kvtier-fs", "recompute")
+CONNECTORS = ("none", "vllm", "kvtier-host", "kvtier-fs", "recompute", "kvtier-rec")
+# Run unless --connectors names others (kvtier-rec measures recording's cost only).
+DEFAULT_CONNECTORS = CONNECTORS[:-1]
 
 
 # -- timing ----------------------------------------------------------------------------
@@ -590,6 +600,11 @@ def _pct(values: list[int], q: float) -> float:
     return s[k] / 1000.0
 
 
+def _mean(values: list[int]) -> float:
+    """The mean of ``values`` (ns) in µs; 0 for none."""
+    return round(sum(values) / len(values) / 1000.0, 1) if values else 0.0
+
+
 def summarize(rec: StepRecorder) -> dict[str, Any]:
     steps = rec.steps()
     vllm = [s["vllm"] for s in steps]
@@ -602,9 +617,14 @@ def summarize(rec: StepRecorder) -> dict[str, Any]:
     admitted = sum(s["admitted"] for s in admitting)
     return {
         "steps": len(steps),
-        "vllm_sched_us": {"median": _pct(vllm, 0.5), "p90": _pct(vllm, 0.9)},
+        "vllm_sched_us": {
+            "median": _pct(vllm, 0.5),
+            "p90": _pct(vllm, 0.9),
+            "mean": _mean(vllm),
+        },
         "sched_us": {
             "median": _pct(sched, 0.5),
+            "mean": _mean(sched),
             "p90": _pct(sched, 0.9),
             "max": _pct(sched, 1.0),
             "steady_steps": len(steady),
@@ -726,6 +746,13 @@ def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]
                     round(sched["per_admitted"] / anchor["sched_us"]["per_admitted"], 3),
                     0.5,
                 )
+        plain, rec = runs.get("kvtier-host"), runs.get("kvtier-rec")
+        if plain is not None and rec is not None:
+            goal(
+                f"{wl}: recording the traffic adds to a scheduler step (share)",
+                recording_share(plain, rec),
+                0.02,
+            )
         for name in ("kvtier-host", "kvtier-fs", "recompute"):
             r = runs.get(name)
             if r is not None and r["worker_us"].get("quiet_steps", 0) >= MIN_STEPS:
@@ -735,6 +762,27 @@ def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]
                     50.0,
                 )
     return out
+
+
+# The connector's methods that record the traffic (an arrival, a finish).
+RECORDING_METHODS = ("on_new_request", "request_finished", "request_finished_all_groups")
+
+
+def recording_share(plain: dict[str, Any], rec: dict[str, Any]) -> float | None:
+    """What recording adds to a scheduler step, as a share of the whole step (vLLM's
+    scheduler and the connector's side, means): the CPU time of the methods that record
+    (:data:`RECORDING_METHODS`), with recording less without, per step. Whole-step
+    means of two runs differ by more than that from the machine alone."""
+    steps = plain["steps"] or 1
+    step_us = plain["vllm_sched_us"]["mean"] + plain["sched_us"]["mean"]
+    if not step_us:
+        return None
+
+    def total_ms(r: dict[str, Any]) -> float:
+        return sum(r["methods"].get(m, {}).get("total_ms", 0.0) for m in RECORDING_METHODS)
+
+    added_us = (total_ms(rec) - total_ms(plain)) * 1000.0 / steps
+    return round(added_us / step_us, 4)
 
 
 def costliest(results: dict[str, dict[str, dict[str, Any]]], n: int = 5) -> list[dict[str, Any]]:
@@ -832,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(opts.only or ()) - {w.name for w in workloads()}
     if unknown:
         parser.error(f"--only: unknown workloads {sorted(unknown)}; choose from {names}")
-    connectors = opts.connectors or list(CONNECTORS)
+    connectors = opts.connectors or list(DEFAULT_CONNECTORS)
     model = make_tiny_llama(None, **MODEL_SHAPE)
     _register_anchor_connector()
     cost = calibrate()

@@ -28,9 +28,11 @@ from kvtier.tiering_spec.offload_facts import OffloadFacts
 from kvtier.tiering_spec.private_dirs import make_private_dirs
 from kvtier.tiering_spec.regions import AttachedRegions
 from kvtier.tiering_spec.sizing import Sizing, size_host_tier, size_in_tokens
+from kvtier.tiering_spec.tier_config import check_directory
 from kvtier.tiering_spec.tiers.base import SecondaryTier
 from kvtier.tiering_spec.tiers.fs.format import FORMAT_DIR
 from kvtier.tiering_spec.tiers.registry import TierSite, build_tier
+from kvtier.tiering_spec.traffic import TrafficRecorder
 from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
 from kvtier.tiering_spec.worker import OffloadTransferWorker
 
@@ -47,6 +49,7 @@ class SchedulerSide:
         new_pool: a fresh empty pool as the settings configure it (``reset_cache``).
         offload: what it was built from (the engine's facts, the settings).
         info_row: the host tier's sizing as vLLM's CPU tier publishes it.
+        traffic: the record of the requests served (``record_traffic_dir``), or None.
     """
 
     core: TierManager
@@ -54,6 +57,7 @@ class SchedulerSide:
     new_pool: Callable[[], HostBlockPool]
     offload: Offload
     info_row: dict[str, Any]
+    traffic: TrafficRecorder | None = None
 
 
 @dataclass
@@ -212,7 +216,13 @@ class Offload:
                 "kvtier: the KV bytes per block are unknown on the scheduler side, so the "
                 "host tier cannot be sized from cpu_bytes_to_use"
             )
-        tiers, attached = self.secondary_tiers()
+        traffic = self.traffic_recorder()
+        try:
+            tiers, attached = self.secondary_tiers()
+        except BaseException:
+            if traffic is not None:
+                traffic.close()
+            raise
         settings = self.settings
         core = TierManager(
             self.new_pool(),
@@ -221,7 +231,12 @@ class Offload:
             max_tracker_size=settings.max_tracker_size,
         )
         self._scheduler = SchedulerSide(
-            core, attached, self.new_pool, offload=self, info_row=self.config_info_row()
+            core,
+            attached,
+            self.new_pool,
+            offload=self,
+            info_row=self.config_info_row(),
+            traffic=traffic,
         )
         if self.no_loads_reason is not None:
             logger.warning(
@@ -242,6 +257,46 @@ class Offload:
             s.budget_description,
         )
         return self._scheduler
+
+    def traffic_recorder(self) -> TrafficRecorder | None:
+        """The record of the requests this engine serves (``record_traffic_dir``), or
+        None; its header says what an id stands for (see :mod:`.traffic`)."""
+        folder = self.settings.record_traffic_dir
+        if folder is None:
+            return None
+        check_directory(folder, "record_traffic_dir")  # as an fs tier's root_dir
+        facts, s = self.facts, self.sizing
+        tokens = self.chunk_hashes() * max(1, facts.tokens_per_hash)
+        kv = facts.engine.kv if facts.engine is not None else None
+        header = {
+            "tokens_per_id": tokens,
+            "bytes_per_id": s.kv_bytes_per_chunk,
+            "model": facts.model_name,
+            "cache_dtype": facts.cache_dtype,
+            "world_size": max(1, facts.world_size),
+            "device_ids": None if kv is None else kv.num_blocks // int(facts.blocks_per_chunk),
+            "eviction_policy": self.settings.eviction_policy,
+            "host_ids": s.num_chunks,
+        }
+        try:
+            recorder = TrafficRecorder(
+                folder, header, max_bytes=self.settings.record_traffic_max_bytes
+            )
+        except OSError as exc:
+            raise ConfigError(f"record_traffic_dir={folder!r} cannot be opened: {exc}") from None
+        logger.info(
+            "kvtier %s: recording the requests it serves in %s (%d tokens per id)",
+            self.name,
+            folder,
+            tokens,
+        )
+        return recorder
+
+    def chunk_hashes(self) -> int:
+        """Entries of a request's block hashes per offloaded chunk (the last of each
+        names the chunk with its whole prefix)."""
+        tokens = int(self.facts.blocks_per_chunk) * self.facts.tokens_per_block[0]
+        return max(1, tokens // max(1, self.facts.tokens_per_hash))
 
     # -- a worker -------------------------------------------------------------------
 

@@ -58,6 +58,8 @@ EVICTION_POLICIES = tuple(POLICIES)  # kvtier-blockpool's: lru, arc, frecency
 # A worker copies this much from host DRAM to an NPU or GPU in about 10 ms (25 GB/s),
 # well under a step of a busy engine; a larger hit is loaded between steps instead.
 DEFAULT_SYNC_LOAD_BUDGET_BYTES = 256 << 20
+# A recorded traffic file is closed and the next begun past this size.
+DEFAULT_RECORD_MAX_BYTES = 64 << 20
 
 
 def _policy_module(key: str, value: Any) -> str:
@@ -85,6 +87,12 @@ def _model_identity(key: str, value: Any) -> str:
             f"change (for example 'llama3-8b@2026-11-02'), got {value!r}"
         )
     return value
+
+
+def _folder(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{key} must be a folder's path (a non-empty string), got {value!r}")
+    return os.path.abspath(os.path.expanduser(value))
 
 
 def _false_only(key: str, value: Any) -> bool:
@@ -175,6 +183,21 @@ SPEC_SCHEMA = Schema(
             default_words="digest of the files",
         ),
         Key(
+            "record_traffic_dir",
+            Check(_folder, "a folder's path"),
+            "record the requests the engine serves into this folder, as a trace for "
+            "`python -m kvtier.tiering_spec.plan` (created 0700 and checked as an fs tier's "
+            "`root_dir`; files 0600; see [Size it from your own "
+            "traffic](#size-it-from-your-own-traffic))",
+            default_words="off",
+        ),
+        Key(
+            "record_traffic_max_bytes",
+            Int(4096),
+            "a recorded file is closed and the next begun past this size",
+            DEFAULT_RECORD_MAX_BYTES,
+        ),
+        Key(
             "spec_name",
             Check(accept, "a registered spec name"),
             "vLLM's: which spec the `OffloadingConnector` builds (see "
@@ -223,6 +246,8 @@ class OffloadConfig:
             in for kvtier's digest of the weight files in the fs tier's fingerprint.
         sync_load_budget_bytes: KV bytes per step a worker loads before the step's
             forward pass (0: every load waits a step).
+        record_traffic_dir: where the scheduler records the requests it serves (None:
+            off); record_traffic_max_bytes: the size past which a file is rotated.
     """
 
     budget: dict[str, int]
@@ -235,6 +260,8 @@ class OffloadConfig:
     secondary_tiers: tuple[TierConfig, ...] = field(default_factory=tuple)
     model_identity: str | None = None
     sync_load_budget_bytes: int = 0
+    record_traffic_dir: str | None = None
+    record_traffic_max_bytes: int = DEFAULT_RECORD_MAX_BYTES
 
 
 def parse_config(
@@ -293,6 +320,7 @@ def parse_config(
         for i, t in enumerate(tiers_raw)
     )
     _check_own_dirs(tiers)
+    record_dir = values["record_traffic_dir"]  # checked where it is used (the scheduler)
     return OffloadConfig(
         budget=budget,
         blocks_per_chunk=values["blocks_per_chunk"],
@@ -304,6 +332,8 @@ def parse_config(
         secondary_tiers=tiers,
         model_identity=values["model_identity"],
         sync_load_budget_bytes=values["sync_load_budget_bytes"],
+        record_traffic_dir=record_dir,
+        record_traffic_max_bytes=values["record_traffic_max_bytes"],
     )
 
 

@@ -94,6 +94,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         )
         self._kvtier_worker_spec: _KvtierSpec | None = None
         self._kvtier_manager: KvtierOffloadingManager | None = None
+        self._chunk_hashes = 1  # block hashes per offloaded chunk (the traffic record)
         self._kvtier_events = True
         self._store_failure_logged = False
         # Failed loads as failed requests, where block ids name no single request.
@@ -136,14 +137,14 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
                 offload.facts.worker_kv_bytes_per_block,
             )
             self._kvtier_events = offload.facts.kv_events
-            transfer = self._vllm_config.kv_transfer_config
-            if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            self._chunk_hashes = offload.chunk_hashes()
+            was = connector_reads.kv_load_failure_policy(self._vllm_config)
+            if was is not None and connector_reads.recompute_failed_loads(self._vllm_config):
                 logger.info(
                     "kvtier: kv_load_failure_policy set to 'recompute' (was %r): a "
                     "transfer kvtier cannot complete is recomputed, never an error",
-                    transfer.kv_load_failure_policy,
+                    was,
                 )
-                transfer.kv_load_failure_policy = "recompute"
 
     # -- worker side ----------------------------------------------------------------
 
@@ -346,6 +347,14 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         scheduler = getattr(self, "connector_scheduler", None)
         manager = getattr(scheduler, "manager", None)
         if isinstance(manager, KvtierOffloadingManager):
+            traffic = manager.side.traffic
+            if traffic is not None:
+                per_chunk = self._chunk_hashes
+                traffic.arrive(
+                    request.request_id,
+                    request.num_prompt_tokens,
+                    connector_reads.chunk_hashes(request, per_chunk),
+                )
             context = compat.PORT.request_context(scheduler, request.request_id)
             if context is not None:
                 manager.note_lora(context, getattr(request, "lora_request", None) is not None)
@@ -357,6 +366,20 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
                     keys = lookups.arrival_keys(scheduler, request.request_id)
                     if keys:
                         manager.promote_ahead(keys, context)
+
+    def _finished(self, request: Any) -> None:
+        manager = self._kvtier_manager
+        if manager is not None and manager.side.traffic is not None:
+            manager.side.traffic.finish(request.request_id, request.num_output_tokens)
+
+    # vLLM calls one of the two (the second for a connector that supports hybrid models).
+    def request_finished(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        self._finished(request)
+        return super().request_finished(request, *args, **kwargs)
+
+    def request_finished_all_groups(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        self._finished(request)
+        return super().request_finished_all_groups(request, *args, **kwargs)
 
     def update_state_after_alloc(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         manager = self._kvtier_manager

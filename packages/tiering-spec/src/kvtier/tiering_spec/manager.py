@@ -295,17 +295,18 @@ class TierManager(TierPromotions, TierJobs):
     # ------------------------------------------------------------------ device stores
 
     def prepare_store(
-        self, keys: Sequence[bytes]
+        self, keys: Sequence[bytes], keep: Collection[bytes] = ()
     ) -> tuple[list[bytes], list[int], list[bytes]] | None:
         """Reserve host blocks for the new ``keys``: (keys to store, their blocks, evicted
-        keys), or None when no room can be made."""
+        keys), or None when no room can be made. Nothing of ``keys`` or ``keep`` (what
+        the storing request loaded or reused) is evicted for it."""
         self.poll()
         if self.admission is None:
-            plan = self.pool.prepare_store(keys)
+            plan = self.pool.prepare_store(keys, keep)
         else:
             # vLLM 0.32 counts offers for storage, not lookups, toward store_threshold.
             self.admission.record(keys)
-            plan = self.admission.prepare_store(keys)
+            plan = self.admission.prepare_store(keys, keep)
         if plan is None:
             # The allocation tried is sampled whether or not room was made, as vLLM's
             # manager does: under pressure the histogram would otherwise thin out.

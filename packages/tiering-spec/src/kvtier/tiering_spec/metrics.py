@@ -22,6 +22,7 @@ STORES_SKIPPED = "vllm:kv_offload_stores_skipped"
 HOST_QUERIES = "vllm:kvtier_host_queries"
 HOST_HITS = "vllm:kvtier_host_hits"
 HOST_STORE_FAILURES = "vllm:kvtier_host_store_failures"
+TRAFFIC_DROPPED = "vllm:kvtier_traffic_dropped"
 
 CHUNK_QUERIES = "vllm:kv_offload_tiering_chunk_queries"
 CHUNK_HITS = "vllm:kv_offload_tiering_chunk_hits"
@@ -122,6 +123,14 @@ def metric_table(extra_config: Mapping[str, Any], *, tiering: bool) -> dict[str,
             None,
         ),
     }
+    if extra_config.get("record_traffic_dir"):
+        t[TRAFFIC_DROPPED] = MetricRow(
+            "counter",
+            "Requests the traffic record (record_traffic_dir) did not write: arrivals "
+            "dropped while its writer was behind, and lines a failed write lost.",
+            (),
+            None,
+        )
     try:
         threshold = int(extra_config.get("store_threshold", 0) or 0)
     except (TypeError, ValueError):

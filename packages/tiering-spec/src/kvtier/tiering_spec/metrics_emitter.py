@@ -40,6 +40,7 @@ from kvtier.tiering_spec.metrics import (
     TIER_EVICTIONS,
     TIER_FAULTS,
     TIER_USED_BYTES,
+    TRAFFIC_DROPPED,
     WRITE_BYTES,
     WRITE_TIME,
 )
@@ -48,7 +49,7 @@ from kvtier.tiering_spec.tiers.base import FAULT_KINDS
 # Reported on every call, as vLLM's CPUOffloadingManager does (its stats are never None).
 ALWAYS_GAUGES = (CPU_CACHE_USAGE_PERC, CPU_CACHE_WRITE_USAGE_PERC, CPU_CACHE_READ_USAGE_PERC)
 # The leading fields of MetricsEmitter._signature that only the host tier's rows read.
-_HOST_FIELDS = 7
+_HOST_FIELDS = 8
 
 
 class StatsSink(Protocol):
@@ -78,9 +79,10 @@ def write_rows(rows: Iterable[tuple[str, str, Any, tuple[str, ...]]], sink: Stat
 class MetricsEmitter:
     """Turns a :class:`TierManager`'s cumulative counters into per-interval values."""
 
-    def __init__(self, core: TierManager, *, tiering: bool) -> None:
+    def __init__(self, core: TierManager, *, tiering: bool, traffic: Any = None) -> None:
         self.core = core
         self.tiering = tiering
+        self.traffic = traffic  # the TrafficRecorder, if the traffic is recorded
         self._last: dict[tuple[str, tuple[str, ...]], float] = {}
         self._gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._signed: tuple[Any, ...] | None = None
@@ -185,6 +187,8 @@ class MetricsEmitter:
             (HOST_HITS, (), c.host_hits),
             (HOST_STORE_FAILURES, (), c.store_failures),
         ]
+        if self.traffic is not None:
+            totals.append((TRAFFIC_DROPPED, (), self.traffic.dropped))
         if core.admission is not None:
             totals.append((STORES_SKIPPED, (), core.admission.stores_skipped))
         if self.tiering:
@@ -228,6 +232,7 @@ class MetricsEmitter:
             c.store_failures,
             c.promotion_allocation_failures,
             None if admission is None else admission.stores_skipped,
+            None if self.traffic is None else self.traffic.dropped,
             # ... and by the tiers' rows.
             pool.num_blocks,
         )

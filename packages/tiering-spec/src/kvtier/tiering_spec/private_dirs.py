@@ -22,20 +22,25 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXE
 PRIVATE_MODE = 0o700
 
 
+def _setting(key: str) -> str:
+    """The setting a message's ``key`` names (``secondary_tiers[0].root_dir``: root_dir)."""
+    return key.rsplit(".", 1)[-1]
+
+
 def refuse_unless_private(path: str, key: str, st: os.stat_result) -> None:
     """ConfigError unless ``st`` is a directory of this user that neither group nor
     others can write."""
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(
             f"{key}: {path!r} is not a directory; kvtier follows no links for its files: "
-            "point root_dir at the real directory"
+            f"point {_setting(key)} at the real directory"
         )
     uid = os.geteuid()
     if st.st_uid != uid:
         raise ConfigError(
             f"{key}: directory {path!r} belongs to uid {st.st_uid}, not to this engine's user "
             f"(uid {uid}); another user could plant KV there. Fix: chown {uid} {path!r}, or "
-            "choose a root_dir of this user"
+            f"choose a {_setting(key)} of this user"
         )
     if st.st_mode & 0o022:
         raise ConfigError(
@@ -72,7 +77,7 @@ def check_parents(path: str, key: str) -> None:
                 f"{key}: parent folder {current!r} of {path!r} ({who}) can be changed by "
                 f"another user, who could then swap in a folder of their own KV. Allowed: "
                 f"parents owned by root or uid {uid} and writable by no one else, or sticky "
-                f"(like /tmp). Fix: chmod go-w {current!r}, or choose another root_dir"
+                f"(like /tmp). Fix: chmod go-w {current!r}, or choose another {_setting(key)}"
             )
 
 
@@ -109,6 +114,6 @@ def check_private_dir(path: str, key: str) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise ConfigError(
             f"{key}: {path!r} is a symlink; kvtier follows no links for its files: "
-            "point root_dir at the real directory"
+            f"point {_setting(key)} at the real directory"
         )
     refuse_unless_private(path, key, st)

@@ -34,6 +34,7 @@ from kvtier.tiering_spec.tracefile import (
     optimum,
     parse_trace,
     reuse_oracle,
+    save_report,
 )
 
 __all__ = [
@@ -311,13 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print("\n" + format_markdown(report))
     print(f"\nreplayed in {time.monotonic() - t0:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
-    if args.png:
-        why = write_png(report, args.png)
-        print(why if why else f"wrote {args.png}", file=sys.stderr if why else sys.stdout)
+    save_report(report, args.json, args.png, write_png)
     return 0
 
 

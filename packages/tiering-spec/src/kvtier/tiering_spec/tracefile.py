@@ -37,10 +37,13 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+# The first and last lines of a trace kvtier recorded.
+from kvtier.tiering_spec.traffic import END_KEY, HEADER_KEY
 
 BLOCK_TOKENS = 512
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake-conversation.jsonl.xz"
@@ -80,8 +83,27 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@dataclass(frozen=True)
+class Trace:
+    """A trace's requests, with the header and end line of a recorded one (or None)."""
+
+    requests: list[TraceRequest]
+    header: dict[str, Any] | None = None
+    end: dict[str, Any] | None = None
+
+
 def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceRequest]:
     """The requests of a trace's ``lines``; raises :class:`TraceError` on bad input."""
+    return parse_trace_file(lines, source).requests
+
+
+def parse_trace_file(lines: Iterable[str], source: str = "<trace>") -> Trace:
+    """A trace's ``lines``: its requests, and where kvtier recorded it its header (the
+    first line, ``{"kvtier_trace": {...}}``) and end line (the last,
+    ``{"kvtier_trace_end": {...}}``). Raises :class:`TraceError` on bad input."""
+    header: dict[str, Any] | None = None
+    end: dict[str, Any] | None = None
+    end_line = 0
     requests: list[TraceRequest] = []
     parent: dict[int, int] = {}  # block id -> id before it (-1: first in its prompt)
     first_seen: dict[int, int] = {}  # block id -> line where that parent was seen
@@ -97,6 +119,20 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceRequ
             raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if end is not None:
+            raise TraceError(f"{where}: a line after the trace's end line (line {end_line})")
+        if HEADER_KEY in obj:
+            if requests or header is not None or not isinstance(obj[HEADER_KEY], dict):
+                raise TraceError(
+                    f"{where}: {HEADER_KEY!r} must be an object, on the trace's first line"
+                )
+            header = obj[HEADER_KEY]
+            continue
+        if END_KEY in obj:
+            if not isinstance(obj[END_KEY], dict):
+                raise TraceError(f"{where}: {END_KEY!r} must be an object")
+            end, end_line = obj[END_KEY], lineno
+            continue
         for key in REQUIRED_KEYS:
             if key not in obj:
                 raise TraceError(f"{where}: missing key {key!r} (needs {', '.join(REQUIRED_KEYS)})")
@@ -143,15 +179,21 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceRequ
             TraceRequest(lineno, float(ts), obj["input_length"], obj["output_length"], tuple(ids))
         )
         last_ts, last_line = ts, lineno
-    return requests
+    return Trace(requests, header, end)
 
 
 def load_trace(path: str | os.PathLike[str] | None = None) -> list[TraceRequest]:
     """The requests of the trace at ``path`` (default: the bundled conversation trace)."""
+    return load_trace_file(path).requests
+
+
+def load_trace_file(path: str | os.PathLike[str] | None = None) -> Trace:
+    """The trace at ``path`` with its header and end line (default: the bundled
+    conversation trace, which has neither)."""
     path = DEFAULT_TRACE if path is None else Path(path)
     try:
         with open_trace(path) as f:
-            return parse_trace(f, str(path))
+            return parse_trace_file(f, str(path))
     except (OSError, EOFError, UnicodeDecodeError, lzma.LZMAError) as exc:
         raise TraceError(f"{path}: cannot be read ({exc})") from None
 
@@ -326,3 +368,20 @@ class Progress:
         else:
             sys.stderr.write(text + "\n")
         sys.stderr.flush()
+
+
+def save_report(
+    report: dict[str, Any],
+    json_path: str | None,
+    png_path: str | None,
+    draw: Callable[[dict[str, Any], str], str | None],
+) -> None:
+    """Write a command's report as JSON to ``json_path`` and its chart (``draw``, which
+    returns why it could not) to ``png_path``, each where given; say what was written."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    if png_path:
+        why = draw(report, png_path)
+        print(why if why else f"wrote {png_path}", file=sys.stderr if why else sys.stdout)

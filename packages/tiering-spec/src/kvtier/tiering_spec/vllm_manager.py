@@ -83,7 +83,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self._pass_secondary = True
         self.core = side.core
         self._regions = side.regions
-        self._metrics = MetricsEmitter(self.core, tiering=side.offload.tiering)
+        self._metrics = MetricsEmitter(
+            self.core, tiering=side.offload.tiering, traffic=side.traffic
+        )
         self._hit_sources: dict[str, Any] = {}  # a tier's name -> vLLM's CacheHitSource
         self._failed_stores: list[list[OffloadKey]] = []  # for metadata-only removals
         self._resets = 0  # reset_cache calls: what a request noted before one is stale
@@ -240,7 +242,9 @@ class KvtierOffloadingManager(OffloadingManager):
         if state is not None:
             pool = self.core.pool  # cached keys offered again are a use
             state.note((k for k in keys if pool.contains(k)), reused=True)
-        plan = self.core.prepare_store(keys)
+        # What the request loaded or reused stays: its recency is refreshed only when it
+        # finishes, and its own stores would otherwise evict the head they follow.
+        plan = self.core.prepare_store(keys, () if state is None else state.reused)
         if plan is None:
             return None
         to_store, blocks, evicted = plan
@@ -326,6 +330,8 @@ class KvtierOffloadingManager(OffloadingManager):
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
+        if self.side.traffic is not None:
+            self.side.traffic.close()
         if not self.core.shutdown():
             # An I/O thread stuck in a read may still write into these mappings.
             logger.warning("kvtier: host regions left mapped until the process ends")

@@ -54,6 +54,14 @@ def block_hashes(request: Any) -> list[Any]:
     return list(getattr(request, "block_hashes", ()) or ())
 
 
+def chunk_hashes(request: Any, per_chunk: int) -> list[Any]:
+    """The block hash that names each complete chunk of ``per_chunk`` hash-sized pieces
+    of a request's prompt, with its whole prefix (the chunk's last piece), in order;
+    empty where the request carries no hashes."""
+    hashes = getattr(request, "block_hashes", None) or ()
+    return list(hashes[per_chunk - 1 :: per_chunk])
+
+
 def worker_meta(connector_output: Any) -> Any:
     """The workers' connector metadata in a ``KVConnectorOutput``, aggregated over the
     ranks (``kv_connector_worker_meta``); None where the release has no such field."""
