@@ -47,7 +47,7 @@ def _pct(x: float | None) -> str:
 
 
 def _size(n: float) -> str:
-    for unit, scale in (("TiB", 1 << 40), ("GiB", GIB), ("MiB", 1 << 20)):
+    for unit, scale in (("TiB", 1 << 40), ("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
@@ -76,12 +76,12 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [
             "",
             f"with a device prefix cache of {report['device_ids']:,} blocks in front "
-            f"(serving {_pct(report['device_served']).strip()} itself), share from outside "
-            "the device:",
+            f"(serving {_pct(report['device_served']).strip()} itself), share of prompt "
+            "tokens from outside the device:",
         ]
         for i, cap in enumerate(report["capacities"]):
             cells = " ".join(
-                f"{_pct(report['outside_device'][n][i]):>12}" for n in report["policies"]
+                f"{_pct(report['outside_device_tokens'][n][i]):>12}" for n in report["policies"]
             )
             lines.append(f"{cap:>10,} {_size(report['gib'][i] * GIB):>10} {cells}")
     lines += ["", "bytes written into the host tier per block it serves:"]

@@ -227,6 +227,7 @@ def plan(
     requests = trace.requests
     ids = [r.hash_ids for r in requests]
     total = sum(len(b) for b in ids)
+    prompt_tokens = max(1, sum(r.input_length for r in requests))
     reused = lru_curve.reused_blocks(ids)
     found = lru_curve.depths(ids)
     # Up to where LRU serves every block it ever can (the deepest serving depth; the
@@ -315,6 +316,11 @@ def plan(
         "device_served": device_served / total if total else 0.0,
         "outside_device": {
             p: [max(0, n - device_served) / total if total else 0.0 for n in got[p]]
+            for p in policies
+        },
+        # The same as a share of prompt tokens (what vLLM's prefix-cache metrics count).
+        "outside_device_tokens": {
+            p: [max(0, n - device_served) * tokens / prompt_tokens for n in got[p]]
             for p in policies
         },
         "written_per_served": {
