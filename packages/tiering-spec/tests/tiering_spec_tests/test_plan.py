@@ -153,3 +153,32 @@ def test_bad_traces_are_refused_with_the_line_and_the_reason(
         path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     assert plan.main(["--trace", str(path), "--no-progress", *args]) == 2
     assert re.search(reason, capsys.readouterr().err)
+
+
+def test_an_fs_tier_behind_is_replayed_with_its_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--fs-ids``: each policy again with an fs tier behind a host tier too small for
+    the shared prefixes; the fs tier serves what the host tier dropped, and its writes
+    per block served are reported."""
+    pytest.importorskip("vllm")
+    header = {"kvtier_trace": {"tokens_per_id": 32, "bytes_per_id": 4096, "timestamp_unit": "s"}}
+    # Two prefixes of 4 blocks alternate, each request with 4 new blocks of its own: a
+    # host tier of 8 blocks loses a prefix between its uses.
+    trace = [
+        _request(
+            float(i), [10 * (i % 2) + j for j in range(4)] + [100 + 4 * i + j for j in range(4)]
+        )
+        for i in range(30)
+    ]
+    path = _write(tmp_path / "t.jsonl", [header, *trace])
+    out = tmp_path / "report.json"
+    args = ["--trace", path, "--capacities", "8", "--fs-ids", "200", "--fs-dir", str(tmp_path)]
+    assert plan.main([*args, "--no-progress", "--workers", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    with_fs = report["with_fs"]
+    assert with_fs["fs_ids"] == 200
+    for policy in report["policies"]:
+        assert with_fs["served"][policy][0] > report["served"][policy][0], policy
+        assert with_fs["fs_written_per_served"][policy][0] > 0
+    assert "with an fs tier of 200 blocks behind" in capsys.readouterr().out

@@ -96,3 +96,21 @@ def test_the_plan_of_a_recorded_run_finds_what_the_engine_counted(
     assert abs(planned - engine_share) <= 0.05, (planned, engine_share)
     if host_blocks == 2048:
         assert engine_share > 0.05, "the window must reuse what the device dropped"
+        _paste_and_serve(model, recorded, tmp_path)
+
+
+def _paste_and_serve(model: Path, recorded: Path, tmp_path: Path) -> None:
+    """The recommendation's ``kv_transfer_config``, pasted as printed (its fs folder
+    aside), starts ``vllm serve`` and serves."""
+    out = tmp_path / "recommend.json"
+    args = ["--trace", str(recorded), "--fs-root", str(tmp_path / "fs"), "--threshold", "1"]
+    assert plan.main([*args, "--workers", "1", "--no-progress", "--json", str(out)]) == 0
+    config = json.loads(out.read_text())["recommendation"]["kv_transfer_config"]
+    serve = ENGINE + kv_transfer_arg(config)
+    with VllmServer(model, serve, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=600)
+        for prompt in _prompts()[:4]:
+            client.completions.create(
+                model=str(model), prompt=prompt, max_tokens=1, temperature=0.0
+            )
+        assert "kvtier" in server.log_text()

@@ -12,7 +12,8 @@ stands for and the bytes it takes) or one in Mooncake's format (then
   other policies by replay at the grid points, and the offline optimum and the reuse
   oracle as ceilings; with ``--device-ids``, the device's prefix cache in front (an LRU
   of that many blocks), and the share that comes from outside it;
-* the bytes written into the host tier per block it serves;
+* the bytes written into the host tier per block it serves, and with ``--fs-ids`` the
+  same policies with an fs tier of that many blocks behind (replayed with real files);
 * a recommendation: the host capacity at the knee (past which one more GiB saves fewer
   prompt tokens per second than ``--threshold``, at the trace's own request rate), the
   best policy there, and an fs tier behind it sized by the same rule at
@@ -53,6 +54,10 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _opt_size(n: float | None) -> str:
+    return "-" if n is None else _size(n)
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as the command prints it."""
     t, rec = report["trace"], report["recommendation"]
@@ -91,6 +96,21 @@ def format_report(report: dict[str, Any]) -> str:
             for n in report["policies"]
         )
         lines.append(f"{cap:>10,} {_size(report['gib'][i] * GIB):>10} {cells}")
+    with_fs = report.get("with_fs")
+    if with_fs:
+        lines += [
+            "",
+            f"with an fs tier of {with_fs['fs_ids']:,} blocks behind: share served from either "
+            "tier; bytes written into the host tier / the fs tier per block served:",
+        ]
+        for i, cap in enumerate(report["capacities"]):
+            cells = " ".join(
+                f"{_pct(with_fs['served'][n][i]).strip()} "
+                f"{_opt_size(with_fs['host_written_per_served'][n][i])}/"
+                f"{_opt_size(with_fs['fs_written_per_served'][n][i])}"
+                for n in report["policies"]
+            )
+            lines.append(f"{cap:>10,} {_size(report['gib'][i] * GIB):>10}  {cells}")
     fs = (
         f" plus an fs tier of {rec['fs_ids']:,} blocks ({_size(rec['fs_bytes'])} of disk, "
         f"serving {_pct(rec['with_fs']).strip()})"
@@ -204,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the same for a GiB of disk (default: a tenth of --threshold)",
     )
     p.add_argument("--fs-root", default="/var/lib/kvtier", help="root_dir in the config")
+    p.add_argument(
+        "--fs-ids",
+        type=int,
+        help="also replay each policy with an fs tier of this many blocks behind the host "
+        "tier (real files in a temporary folder; slower): served and bytes written",
+    )
+    p.add_argument("--fs-dir", help="where --fs-ids's temporary folder goes")
     p.add_argument("--points", type=int, default=GRID_POINTS, help="capacities on the grid")
     p.add_argument(
         "--capacities",
@@ -216,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", help="draw the curves here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    for name in ("tokens_per_id", "bytes_per_id", "points", "workers", "requests"):
+    for name in ("tokens_per_id", "bytes_per_id", "points", "workers", "requests", "fs_ids"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -252,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         fs_root=args.fs_root,
         points=args.points,
         capacities=args.capacities,
+        fs_ids=args.fs_ids,
+        fs_dir=args.fs_dir,
         workers=args.workers,
         progress=not args.no_progress,
     )

@@ -150,11 +150,14 @@ def _hold_keys(keys: list[list[bytes]]) -> None:
     _KEYS[:] = keys
 
 
-def _replay_point(policy: str, capacity: int) -> tuple[str, int, int, int]:
-    """One replay: (policy, capacity, blocks served, blocks written into the host tier)."""
-    with replay.kvtier_manager(policy, capacity) as manager:
+def _replay_point(
+    policy: str, capacity: int, fs_ids: int | None = None, fs_dir: str | None = None
+) -> tuple[str, int, replay.RunStats]:
+    """One replay: (policy, capacity, what it served and wrote), with an fs tier of
+    ``fs_ids`` blocks behind the host tier where given."""
+    with replay.kvtier_manager(policy, capacity, fs_ids, fs_dir) as manager:
         stats = replay.replay(manager, _KEYS)
-    return policy, capacity, stats.served, stats.host_written
+    return policy, capacity, stats
 
 
 def curves(
@@ -198,15 +201,50 @@ def curves(
             out["reuse_oracle"].append(reuse_oracle(ids, c, uses))
             bar.advance(1, f"reuse oracle at {c:,}")
         for future in concurrent.futures.as_completed(futures):
-            policy, cap, n, w = future.result()
-            out[policy][index[cap]] = n
-            written[policy][index[cap]] = w
+            policy, cap, stats = future.result()
+            out[policy][index[cap]] = stats.served
+            written[policy][index[cap]] = stats.host_written
             bar.advance(1, f"{policy} at {cap:,}")
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     out["written"] = written
     return out
+
+
+def fs_curves(
+    requests: Sequence[TraceRequest],
+    capacities: Sequence[int],
+    policies: Sequence[str],
+    fs_ids: int,
+    *,
+    fs_dir: str | None = None,
+    workers: int = 2,
+    progress: bool = True,
+) -> dict[str, dict[str, list[int]]]:
+    """Each policy (LRU too) replayed at each capacity with an fs tier of ``fs_ids``
+    blocks behind the host tier (real files under ``fs_dir``): blocks served from either
+    tier, and written into the host tier and into the fs tier."""
+    runs = [(p, c) for p in dict.fromkeys(policies) for c in capacities]
+    bar = Progress(len(runs), progress)
+    got: dict[str, dict[str, list[int]]] = {
+        k: {p: [0] * len(capacities) for p in dict.fromkeys(policies)}
+        for k in ("served", "host_written", "fs_written")
+    }
+    index = {c: i for i, c in enumerate(capacities)}
+    keys = replay.trace_keys(requests)
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=max(1, workers), initializer=_hold_keys, initargs=(keys,)
+    ) as pool:
+        futures = [pool.submit(_replay_point, p, c, fs_ids, fs_dir) for p, c in runs]
+        for future in concurrent.futures.as_completed(futures):
+            policy, cap, stats = future.result()
+            i = index[cap]
+            got["served"][policy][i] = stats.served
+            got["host_written"][policy][i] = stats.host_written
+            got["fs_written"][policy][i] = stats.fs_written
+            bar.advance(1, f"{policy} at {cap:,} with the fs tier")
+    return got
 
 
 def plan(
@@ -219,11 +257,15 @@ def plan(
     fs_root: str = "/var/lib/kvtier",
     points: int = GRID_POINTS,
     capacities: Sequence[int] | None = None,
+    fs_ids: int | None = None,
+    fs_dir: str | None = None,
     workers: int = 2,
     progress: bool = True,
 ) -> dict[str, Any]:
     """The report: curves over a grid of capacities (or over ``capacities``) and the
-    recommendation."""
+    recommendation; with ``fs_ids``, the same policies with an fs tier of that many
+    blocks behind the host tier (replayed with real files: slower)."""
+    behind = fs_ids  # the fs tier to replay behind each capacity (not the recommended one)
     requests = trace.requests
     ids = [r.hash_ids for r in requests]
     total = sum(len(b) for b in ids)
@@ -292,6 +334,34 @@ def plan(
     if fs_ids:
         extra["secondary_tiers"] = [{"type": "fs", "root_dir": fs_root, "capacity_bytes": fs_bytes}]
     share = {k: [n / total if total else 0.0 for n in v] for k, v in got.items()}
+    with_fs: dict[str, Any] | None = None
+    if behind:
+        fs = fs_curves(
+            requests, capacities, policies, behind, fs_dir=fs_dir, workers=workers,
+            progress=progress,
+        )  # fmt: skip
+
+        def per_served(kind: str, p: str, i: int, unit: int) -> float | None:
+            served = fs["served"][p][i]
+            return fs[kind][p][i] * unit / served if served else None
+
+        with_fs = {
+            "fs_ids": behind,
+            "served": {
+                p: [n / total if total else 0.0 for n in v] for p, v in fs["served"].items()
+            },
+            "host_written_per_served": {
+                p: [
+                    per_served("host_written", p, i, facts.bytes_per_id)
+                    for i in range(len(capacities))
+                ]
+                for p in fs["served"]
+            },
+            "fs_written_per_served": {
+                p: [per_served("fs_written", p, i, fs_per_id) for i in range(len(capacities))]
+                for p in fs["served"]
+            },
+        }
     return {
         "trace": {
             "requests": len(requests),
@@ -312,6 +382,7 @@ def plan(
         "gib": [c * facts.bytes_per_id / GIB for c in capacities],
         "policies": policies,
         "served": share,
+        "with_fs": with_fs,
         "device_ids": device,
         "device_served": device_served / total if total else 0.0,
         "outside_device": {
