@@ -232,6 +232,8 @@ def test_the_traffic_it_serves_is_recorded_as_a_trace(model: Path, tmp_path: Pat
     trace = load_trace_file(path)
     assert trace.header is not None and trace.header["tokens_per_id"] == 32
     assert trace.header["bytes_per_id"] == 65536
+    shape = trace.header["model_shape"]
+    assert (shape["layers"], shape["kv_heads"], shape["head_dim"]) == (2, 2, 64)
     assert trace.end == {"requests": len(WORKLOAD.prompts), "dropped": 0}, "closed at shutdown"
     prompts = WORKLOAD.prompts
     assert [r.input_length for r in trace.requests] == [len(p) for p in prompts]

@@ -11,6 +11,7 @@ tested without it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -277,6 +278,7 @@ class Offload:
             "device_ids": None if kv is None else kv.num_blocks // int(facts.blocks_per_chunk),
             "eviction_policy": self.settings.eviction_policy,
             "host_ids": s.num_chunks,
+            "model_shape": _model_shape(facts),
         }
         try:
             recorder = TrafficRecorder(
@@ -328,6 +330,29 @@ class Offload:
         )
         store = not s.replicated_layout or self.facts.rank == 0
         return WorkerSide(core=core, region=region, store=store)
+
+
+def _model_shape(facts: OffloadFacts) -> dict[str, Any] | None:
+    """The recorded model's shape for a traffic record's header (None where the engine's
+    facts were not handed over): its KV layers, heads and head size, and dtype."""
+    engine = facts.engine
+    if engine is None:
+        return None
+    try:
+        config = json.loads(engine.model.hf_config_json)
+    except (TypeError, ValueError):
+        return None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (
+        config["hidden_size"] // heads if heads and config.get("hidden_size") else None
+    )
+    return {
+        "layers": config.get("num_hidden_layers"),
+        "kv_heads": config.get("num_key_value_heads", heads),
+        "head_dim": head_dim,
+        "dtype": facts.cache_dtype,
+    }
 
 
 def build(facts: OffloadFacts, settings: OffloadConfig, *, tiering: bool, name: str) -> Offload:
