@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.tiering_spec import lru_curve, replay
+from kvtier.tiering_spec.tiers.fs.format import HEADER_SIZE
 from kvtier.tiering_spec.tracefile import (
     Progress,
     Trace,
@@ -27,7 +28,6 @@ from kvtier.tiering_spec.tracefile import (
 )
 
 GIB = 1 << 30
-FS_FILE_HEADER = 4096  # bytes an fs tier's file adds to each chunk, per rank
 DEFAULT_THRESHOLD = 50.0  # prompt tokens per second saved per GiB of host memory
 FS_COST_RATIO = 10.0  # a GiB of disk costs about a tenth of a GiB of DRAM
 DEFAULT_POLICIES = ("frecency", "arc")  # replayed beside LRU's exact curve
@@ -120,7 +120,7 @@ def knee(
         raise ValueError("no capacities")
     if seconds <= 0:
         raise ValueError("the trace spans no time: no rate to save tokens at")
-    per_gib = tokens_per_id / seconds * GIB / bytes_per_id  # tokens/s/GiB per block/block
+    per_gib = _per_gib(tokens_per_id, bytes_per_id, seconds)
     at = 0
     while at < len(capacities) - 1:
         best, best_slope = at, -1.0
@@ -138,8 +138,13 @@ def pays(capacity: int, served: float, *, tokens_per_id: int, bytes_per_id: int,
          seconds: float, threshold: float) -> bool:  # fmt: skip
     """Whether a host tier of ``capacity`` blocks, serving ``served`` of them, pays
     ``threshold`` prompt tokens per second per GiB against having none."""
-    per_gib = tokens_per_id / max(seconds, 1e-9) * GIB / bytes_per_id
+    per_gib = _per_gib(tokens_per_id, bytes_per_id, max(seconds, 1e-9))
     return served / capacity * per_gib >= threshold
+
+
+def _per_gib(tokens_per_id: int, bytes_per_id: int, seconds: float) -> float:
+    """Prompt tokens per second per GiB that one block served per block held saves."""
+    return tokens_per_id / seconds * GIB / bytes_per_id
 
 
 _KEYS: list[list[bytes]] = []  # the trace's keys, in each replay process
@@ -312,7 +317,7 @@ def plan(
     # The fs tier holds a copy of every stored block (write-through), so what it serves
     # is about what a host tier of its size would: sized on LRU's exact curve, each
     # block costing its file (a header per rank) on disk.
-    fs_per_id = facts.bytes_per_id + FS_FILE_HEADER * facts.world_size
+    fs_per_id = facts.bytes_per_id + HEADER_SIZE * facts.world_size
     fine = grid(host_ids, max(host_ids, high), 4 * points)
     fs_curve = lru_curve.served_curve(found, fine)
     fs_at = knee(
