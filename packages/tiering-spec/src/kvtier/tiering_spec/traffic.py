@@ -35,6 +35,8 @@ import time
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+from kvtier.tiering_spec.private_dirs import DIR_FLAGS
+
 logger = logging.getLogger("kvtier.tiering_spec")
 
 HEADER_KEY = "kvtier_trace"
@@ -84,7 +86,7 @@ class TrafficRecorder:
         self._lost = 0  # lines a failed write lost (writer thread)
         self._failure_logged = False
         self.files: list[str] = []  # every file begun, in order
-        self._dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        self._dir_fd = os.open(folder, DIR_FLAGS)
         self._fd = -1
         self._file_bytes = 0
         self._file_lines = 0
