@@ -117,6 +117,20 @@ def test_plain_renders_dataclasses_enums_and_sets_stably() -> None:
     assert facts.plain(torch.float16) == "float16"
 
 
+def test_kv_shape_reads_each_model_familys_names() -> None:
+    llama = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "hidden_size": 4096}  # fmt: skip
+    assert facts.kv_shape(facts.text_config(llama)) == (32, 8, 128)
+    gpt2 = {"n_layer": 12, "n_head": 12, "n_embd": 768}
+    assert facts.kv_shape(gpt2) == (12, 12, 64)
+    nested = {"text_config": {"num_layers": 4, "n_head": 2, "head_dim": 80}, "vision": {}}
+    assert facts.kv_shape(facts.text_config(nested)) == (4, 2, 80)
+    # Not a positive integer: not given.
+    assert facts.kv_shape({"num_hidden_layers": True, "num_attention_heads": 0}) == (
+        None, None, None)  # fmt: skip
+    assert facts.text_config(["not", "a", "config"]) == {}
+
+
 def test_engine_facts_come_from_vllms_configs(tmp_path: object) -> None:
     pytest.importorskip("vllm")
     testkit = pytest.importorskip("kvtier.testkit")

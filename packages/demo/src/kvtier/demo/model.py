@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.vllm_port.facts import config_int, kv_shape, text_config
+
 BLOCK_TOKENS = 32  # vLLM's CPU platform needs block sizes that are multiples of 32
 DTYPE_BYTES = 4  # the demo runs float32: vLLM's CPU platform's safest choice
 
@@ -52,14 +54,6 @@ class ModelSizes:
         return self.kv_bytes_per_token * BLOCK_TOKENS
 
 
-def _positive(cfg: dict[str, object], *keys: str) -> int | None:
-    for key in keys:
-        value = cfg.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
 def read_model(path: str | Path) -> ModelSizes:
     """Read a Hugging Face model folder's ``config.json``; ``ModelError`` says what is wrong."""
     folder = Path(path).expanduser()
@@ -72,19 +66,15 @@ def read_model(path: str | Path) -> ModelSizes:
         cfg = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"--model {path}: config.json cannot be read: {exc}") from exc
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
-    layers = _positive(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _positive(cfg, "num_attention_heads", "n_head")
-    hidden = _positive(cfg, "hidden_size", "n_embd")
-    vocab = _positive(cfg, "vocab_size")
-    if not (layers and heads and hidden and vocab):
+    cfg = text_config(cfg)
+    layers, kv_heads, head_dim = kv_shape(cfg)
+    vocab = config_int(cfg, "vocab_size")
+    if not (layers and kv_heads and head_dim and vocab):
         raise ModelError(
             f"--model {path}: config.json lacks num_hidden_layers, num_attention_heads, "
             "hidden_size or vocab_size"
         )
-    kv_heads = _positive(cfg, "num_key_value_heads") or heads
-    head_dim = _positive(cfg, "head_dim") or hidden // heads
-    max_positions = _positive(cfg, "max_position_embeddings", "n_positions") or 2048
+    max_positions = config_int(cfg, "max_position_embeddings", "n_positions") or 2048
     special: set[int] = set()
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = cfg.get(key)

@@ -36,6 +36,7 @@ from kvtier.tiering_spec.tiers.registry import TierSite, build_tier
 from kvtier.tiering_spec.traffic import TrafficRecorder
 from kvtier.tiering_spec.vllm_policy import resolve_vllm_policy
 from kvtier.tiering_spec.worker import OffloadTransferWorker
+from kvtier.vllm_port.facts import kv_shape, text_config
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -339,17 +340,13 @@ def _model_shape(facts: OffloadFacts) -> dict[str, Any] | None:
     if engine is None:
         return None
     try:
-        config = json.loads(engine.model.hf_config_json)
+        config = text_config(json.loads(engine.model.hf_config_json))
     except (TypeError, ValueError):
         return None
-    config = config.get("text_config", config) if isinstance(config, dict) else {}
-    heads = config.get("num_attention_heads")
-    head_dim = config.get("head_dim") or (
-        config["hidden_size"] // heads if heads and config.get("hidden_size") else None
-    )
+    layers, kv_heads, head_dim = kv_shape(config)
     return {
-        "layers": config.get("num_hidden_layers"),
-        "kv_heads": config.get("num_key_value_heads", heads),
+        "layers": layers,
+        "kv_heads": kv_heads,
         "head_dim": head_dim,
         "dtype": facts.cache_dtype,
     }

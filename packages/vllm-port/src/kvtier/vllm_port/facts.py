@@ -158,3 +158,33 @@ class EngineFacts:
     block_hash: BlockHashFacts
     lora: LoraFacts
     kv: KVLayoutFacts | None  # None where vLLM's KV cache config was not handed over
+
+
+def config_int(config: Mapping[str, Any], *keys: str) -> int | None:
+    """The first positive integer among ``keys`` of a Hugging Face model config (a
+    model family may name a field its own way: ``n_layer`` for ``num_hidden_layers``)."""
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def text_config(config: Any) -> dict[str, Any]:
+    """A model config's language part (a multimodal model nests it as ``text_config``)."""
+    if not isinstance(config, dict):
+        return {}
+    inner = config.get("text_config", config)
+    return inner if isinstance(inner, dict) else {}
+
+
+def kv_shape(config: Mapping[str, Any]) -> tuple[int | None, int | None, int | None]:
+    """``(layers, kv_heads, head_dim)`` as a model's (text) config gives them, None for
+    what it does not: KV heads default to the attention heads, the head size to the
+    hidden size over the heads."""
+    layers = config_int(config, "num_hidden_layers", "n_layer", "num_layers")
+    heads = config_int(config, "num_attention_heads", "n_head")
+    hidden = config_int(config, "hidden_size", "n_embd")
+    kv_heads = config_int(config, "num_key_value_heads") or heads
+    head_dim = config_int(config, "head_dim") or (hidden // heads if hidden and heads else None)
+    return layers, kv_heads, head_dim
