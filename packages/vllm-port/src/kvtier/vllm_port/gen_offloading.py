@@ -127,7 +127,8 @@ class OffloadingConfigPort(VllmPort):
         factory = module.OffloadingSpecFactory
         spec_cls = factory.get_spec_cls(config.extra_config)
         if takes_engine_facts(spec_cls):
-            spec = self._spec(spec_cls, config, self._facts(vllm_config, kv_cache_config))
+            facts = self._facts(vllm_config, kv_cache_config)
+            spec = spec_cls(config, **{ENGINE_FACTS_ARG: facts})
         else:  # another spec: vLLM's factory builds it, as vLLM's connector would
             spec = factory.create_spec(config)
         given = {"spec": spec, "vllm_config": vllm_config, "kv_cache_config": kv_cache_config}
