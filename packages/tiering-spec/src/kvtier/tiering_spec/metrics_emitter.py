@@ -48,8 +48,10 @@ from kvtier.tiering_spec.tiers.base import FAULT_KINDS
 
 # Reported on every call, as vLLM's CPUOffloadingManager does (its stats are never None).
 ALWAYS_GAUGES = (CPU_CACHE_USAGE_PERC, CPU_CACHE_WRITE_USAGE_PERC, CPU_CACHE_READ_USAGE_PERC)
-# The leading fields of MetricsEmitter._signature that only the host tier's rows read.
+# The leading fields of MetricsEmitter._signature that only the host tier's rows read;
+# from _TIERS on, one field per secondary tier (what its rows alone read).
 _HOST_FIELDS = 8
+_TIERS = _HOST_FIELDS + 2
 
 
 class StatsSink(Protocol):
@@ -61,6 +63,22 @@ class StatsSink(Protocol):
     def increase_counter(self, name: str, value: Any, labels: tuple[str, ...] = ()) -> None: ...
 
     def observe_histogram(self, name: str, value: Any, labels: tuple[str, ...] = ()) -> None: ...
+
+
+class _Rows:
+    """A sink that keeps what is written as (kind, name, value, label values) rows."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, Any, tuple[str, ...]]] = []
+
+    def set_gauge(self, name: str, value: Any, labels: tuple[str, ...] = ()) -> None:
+        self.rows.append(("gauge", name, value, labels))
+
+    def increase_counter(self, name: str, value: Any, labels: tuple[str, ...] = ()) -> None:
+        self.rows.append(("counter", name, value, labels))
+
+    def observe_histogram(self, name: str, value: Any, labels: tuple[str, ...] = ()) -> None:
+        self.rows.append(("histogram", name, value, labels))
 
 
 def write_rows(rows: Iterable[tuple[str, str, Any, tuple[str, ...]]], sink: StatsSink) -> None:
@@ -88,12 +106,6 @@ class MetricsEmitter:
         self._signed: tuple[Any, ...] | None = None
         self._pending: tuple[Any, ...] | None = None  # a signature quiet_gauges found new
         self._faults_seen: dict[str, int] = {}  # tier name -> its fault count at the last rows
-
-    def _delta(self, name: str, labels: tuple[str, ...], total: float) -> float:
-        key = (name, labels)
-        prev = self._last.get(key, 0)
-        self._last[key] = total
-        return total - prev
 
     def collect(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         """(kind, name, value, label values) of what changed since the last call: counters
@@ -126,38 +138,34 @@ class MetricsEmitter:
 
     def collect_changed(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         """:meth:`collect` after :meth:`quiet_gauges` returned None."""
-        signature, self._pending = self._pending, None
-        return self._changed(self._signature() if signature is None else signature)
+        rows = _Rows()
+        self._write(rows, zero_skips=True)
+        return iter(rows.rows)
 
     def write_changed(self, sink: StatsSink) -> None:
         """:meth:`collect_changed` after :meth:`quiet_gauges` returned None, written into
-        ``sink`` (counters that did not move left out). Where only the host tier's
-        counters and gauges moved (most steps that store or admit), its rows are written
-        directly, without building rows for the tiers."""
+        ``sink`` (counters that did not move left out)."""
+        self._write(sink, zero_skips=False)
+
+    def _write(self, sink: StatsSink, *, zero_skips: bool) -> None:
+        """Write what changed into ``sink``: the host tier's rows every time; a secondary
+        tier's rows only where the signature's part that they read moved (most steps
+        that store or admit move the host tier's alone). ``zero_skips``: the
+        stores-skipped counter even when it did not move (:meth:`collect`'s rows)."""
         signature, self._pending = self._pending, None
         if signature is None:
             signature = self._signature()
-        signed = self._signed
-        if (
-            signed is None
-            or signature[_HOST_FIELDS:] != signed[_HOST_FIELDS:]
-            or any(flow.has_delays for flow in self.core.flows)
-        ):
-            write_rows(self._changed(signature), sink)
+        signed, self._signed = self._signed, signature
+        self._write_host(sink, zero_skips)
+        if not self.tiering:
             return
-        self._signed = signature
-        gauges, last = self._gauges, self._last
-        for name, value in self._host_gauges():
-            gauges[(name, ())] = value
-            sink.set_gauge(name, value, ())
-        for size in self.core.take_allocation_sizes():
-            sink.observe_histogram(CPU_ALLOCATION_SIZE, size, ())
-        for name, labels, total in self._host_totals():
-            key = (name, labels)
-            step = total - last.get(key, 0)
-            if step:
-                last[key] = total
-                sink.increase_counter(name, step, labels)
+        core = self.core
+        shared = signed is None or signature[_HOST_FIELDS:_TIERS] != signed[_HOST_FIELDS:_TIERS]
+        for idx, (tier, flow) in enumerate(zip(core.secondary_tiers, core.flows)):
+            at = _TIERS + idx
+            now, then = signature[at], None if signed is None else signed[at]
+            if shared or now != then or flow.has_delays:
+                self._write_tier(sink, tier, flow, now, then, shared=shared)
 
     def _samples_waiting(self) -> bool:
         """Whether histogram samples wait to be emitted (taken as they are)."""
@@ -179,7 +187,7 @@ class MetricsEmitter:
 
     def _host_totals(self) -> list[tuple[str, tuple[str, ...], float]]:
         """(name, label values, cumulative total) of the counters the host tier's
-        fields of the signature move, in the order :meth:`_rows` emits them."""
+        fields of the signature move, in the order :meth:`_write_host` writes them."""
         core = self.core
         c = core.counters
         totals: list[tuple[str, tuple[str, ...], float]] = [
@@ -197,28 +205,114 @@ class MetricsEmitter:
             totals.append((CHUNK_HITS, (HOST_TIER,), c.host_hits))
         return totals
 
-    def _changed(
-        self, signature: tuple[Any, ...]
-    ) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
-        self._signed = signature
+    def _write_host(self, sink: StatsSink, zero_skips: bool) -> None:
+        """The host tier's rows: its usage gauges (every time), allocation sizes, and
+        its counters that moved."""
+        gauges, last = self._gauges, self._last
+        for name, value in self._host_gauges():
+            gauges[(name, ())] = value
+            sink.set_gauge(name, value, ())
+        for size in self.core.take_allocation_sizes():
+            sink.observe_histogram(CPU_ALLOCATION_SIZE, size, ())
+        for name, labels, total in self._host_totals():
+            key = (name, labels)
+            step = total - last.get(key, 0)
+            if step:
+                last[key] = total
+                sink.increase_counter(name, step, labels)
+            elif zero_skips and name == STORES_SKIPPED:
+                sink.increase_counter(name, 0, labels)
+
+    def _counter(self, sink: StatsSink, name: str, labels: tuple[str, ...], total: float) -> float:
+        """Write counter ``name``'s increment since the last call, if any; return it."""
+        key = (name, labels)
+        step = total - self._last.get(key, 0)
+        if step:
+            self._last[key] = total
+            sink.increase_counter(name, step, labels)
+        return step
+
+    def _gauge(self, sink: StatsSink, name: str, labels: tuple[str, ...], value: Any) -> None:
+        """Write gauge ``name`` if its value moved since the last call (or is new)."""
+        key = (name, labels)
         gauges = self._gauges
-        for row in self._rows():
-            kind, name, value, labels = row
-            if name in ALWAYS_GAUGES or name == STORES_SKIPPED:
-                if kind == "gauge":
-                    gauges[(name, labels)] = value
-            elif kind == "counter":
-                if not value:
-                    continue
-            elif kind == "gauge":
-                key = (name, labels)
-                if key in gauges and gauges[key] == value:
-                    continue
-                gauges[key] = value
-            yield row
+        if key not in gauges or gauges[key] != value:
+            gauges[key] = value
+            sink.set_gauge(name, value, labels)
+
+    def _write_tier(
+        self,
+        sink: StatsSink,
+        tier: Any,
+        flow: Any,
+        now: tuple[Any, ...],
+        then: tuple[Any, ...] | None,
+        *,
+        shared: bool,
+    ) -> None:
+        """One secondary tier's rows that moved (its counters, faults, lookup delays,
+        usage gauges; each tier metric also under its deprecated fs name). ``now`` and
+        ``then``: the tier's part of this call's signature and of the last (None: write
+        every row that moved); only the rows whose fields differ are looked at.
+        ``shared``: the host tier's blocks promoting or pinned moved."""
+
+        def moved(i: int, j: int) -> bool:
+            return then is None or now[i:j] != then[i:j]
+
+        counter, gauge = self._counter, self._gauge
+        lab = (tier.name,)
+        s = tier.stats
+        if moved(3, 5):
+            counter(sink, CHUNK_QUERIES, lab, s.queries)
+            counter(sink, CHUNK_HITS, lab, s.hits)
+        if moved(5, 7):
+            counter(sink, READ_BYTES, lab, s.read_bytes)
+            counter(sink, READ_TIME, lab, s.read_seconds)
+        if moved(7, 9):
+            counter(sink, WRITE_BYTES, lab, s.write_bytes)
+            counter(sink, WRITE_TIME, lab, s.write_seconds)
+        # Fault counts only grow: with the same total, no kind moved (rows skipped).
+        count = tier.fault_count
+        if self._faults_seen.get(tier.name) != count:
+            self._faults_seen[tier.name] = count
+            faults = tier.faults()
+            read_faults = sum(faults[k] for k in ("corrupt", "truncated", "vanished", "unreadable"))
+            counter(sink, PROMOTION_JOB_FAILURES, lab, read_faults)
+            counter(sink, CASCADE_JOB_FAILURES, lab, faults["disk_full"] + faults["write_failed"])
+            for kind in FAULT_KINDS:
+                fl = (tier.name, str(kind))
+                failed = counter(sink, TIER_FAULTS, fl, faults[kind])
+                if failed:
+                    sink.increase_counter(FS_FAULTS, failed, fl)
+        if flow.has_delays:
+            sync, waited = flow.take_delays()
+            for delay in sync:
+                sink.observe_histogram(LOOKUP_SYNC_DELAY, delay, lab)
+            for delay in waited:
+                sink.observe_histogram(LOOKUP_ASYNC_DELAY, delay, lab)
+        if moved(0, 2):
+            counter(sink, STORES_DROPPED, lab, flow.stores_dropped)
+            counter(sink, BLOCKS_DROPPED, lab, flow.blocks_dropped)
+        if moved(2, 3):
+            gauge(sink, STORE_LATENCY_EMA, lab, flow.store_latency_ema)
+        if moved(9, 10):
+            evicted = counter(sink, TIER_EVICTIONS, lab, s.evictions)
+            if evicted:
+                sink.increase_counter(FS_EVICTIONS, evicted, lab)
+        if moved(10, 11):
+            gauge(sink, TIER_USED_BYTES, lab, tier.used_bytes)
+            gauge(sink, FS_USED_BYTES, lab, tier.used_bytes)
+        if shared:
+            core = self.core
+            cap = core.pool.num_blocks or 1
+            promoting, pinned = core.promoting_blocks, core.write_pinned_blocks
+            gauge(sink, ACTIVE_PROMOTION_JOBS, lab, promoting)
+            gauge(sink, ACTIVE_CASCADE_JOBS, lab, pinned)
+            gauge(sink, PRIMARY_WRITE_USAGE_PERC, lab, promoting / cap)
+            gauge(sink, PRIMARY_READ_USAGE_PERC, lab, pinned / cap)
 
     def _signature(self) -> tuple[Any, ...]:
-        """Every value :meth:`_rows` reads, read cheaply: equal signatures give equal
+        """Every value the rows read, read cheaply: equal signatures give equal
         rows (no counter moved, no gauge changed), histogram samples aside (allocation
         sizes and lookup delays: they are taken as they are emitted)."""
         core = self.core
@@ -233,103 +327,29 @@ class MetricsEmitter:
             c.promotion_allocation_failures,
             None if admission is None else admission.stores_skipped,
             None if self.traffic is None else self.traffic.dropped,
-            # ... and by the tiers' rows.
+            # ... and by the tiers' rows too (the host tier's capacity).
             pool.num_blocks,
         )
         if not self.tiering:
             return signature
-        signature += (core.promoting_blocks, core.write_pinned_blocks)
+        # ... then what every tier's rows read, and each tier's own.
+        signature += ((core.promoting_blocks, core.write_pinned_blocks),)
         for tier, flow in zip(core.secondary_tiers, core.flows):
             s = tier.stats
             signature += (
-                flow.stores_dropped,
-                flow.blocks_dropped,
-                flow.store_latency_ema,
-                s.queries,
-                s.hits,
-                s.read_bytes,
-                s.read_seconds,
-                s.write_bytes,
-                s.write_seconds,
-                s.evictions,
-                tier.used_bytes,
-                tier.fault_count,
+                (  # (_write_tier reads these by position)
+                    flow.stores_dropped,
+                    flow.blocks_dropped,
+                    flow.store_latency_ema,
+                    s.queries,
+                    s.hits,
+                    s.read_bytes,
+                    s.read_seconds,
+                    s.write_bytes,
+                    s.write_seconds,
+                    s.evictions,
+                    tier.used_bytes,
+                    tier.fault_count,
+                ),
             )
         return signature
-
-    def _rows(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
-        core = self.core
-        for name, value in self._host_gauges():
-            yield "gauge", name, value, ()
-        for size in core.take_allocation_sizes():
-            yield "histogram", CPU_ALLOCATION_SIZE, size, ()
-        for name, labels, total in self._host_totals():
-            yield "counter", name, self._delta(name, labels, total), labels
-        if not self.tiering:
-            return
-        cap = core.pool.num_blocks or 1
-        faults_seen = self._faults_seen
-        for tier, flow in zip(core.secondary_tiers, core.flows):
-            lab = (tier.name,)
-            s = tier.stats
-            # Fault counts only grow: with the same total, no kind moved (rows skipped).
-            count = tier.fault_count
-            faults = tier.faults() if faults_seen.get(tier.name) != count else None
-            faults_seen[tier.name] = count
-            yield "counter", CHUNK_QUERIES, self._delta(CHUNK_QUERIES, lab, s.queries), lab
-            yield "counter", CHUNK_HITS, self._delta(CHUNK_HITS, lab, s.hits), lab
-            yield "counter", READ_BYTES, self._delta(READ_BYTES, lab, s.read_bytes), lab
-            yield "counter", READ_TIME, self._delta(READ_TIME, lab, s.read_seconds), lab
-            yield "counter", WRITE_BYTES, self._delta(WRITE_BYTES, lab, s.write_bytes), lab
-            yield "counter", WRITE_TIME, self._delta(WRITE_TIME, lab, s.write_seconds), lab
-            if faults is not None:
-                read_faults = sum(
-                    faults[k] for k in ("corrupt", "truncated", "vanished", "unreadable")
-                )
-                write_faults = faults["disk_full"] + faults["write_failed"]
-                yield (
-                    "counter",
-                    PROMOTION_JOB_FAILURES,
-                    self._delta(PROMOTION_JOB_FAILURES, lab, read_faults),
-                    lab,
-                )
-                yield (
-                    "counter",
-                    CASCADE_JOB_FAILURES,
-                    self._delta(CASCADE_JOB_FAILURES, lab, write_faults),
-                    lab,
-                )
-            if flow.has_delays:
-                sync, waited = flow.take_delays()
-                for delay in sync:
-                    yield "histogram", LOOKUP_SYNC_DELAY, delay, lab
-                for delay in waited:
-                    yield "histogram", LOOKUP_ASYNC_DELAY, delay, lab
-            yield (
-                "counter",
-                STORES_DROPPED,
-                self._delta(STORES_DROPPED, lab, flow.stores_dropped),
-                lab,
-            )
-            yield (
-                "counter",
-                BLOCKS_DROPPED,
-                self._delta(BLOCKS_DROPPED, lab, flow.blocks_dropped),
-                lab,
-            )
-            yield "gauge", STORE_LATENCY_EMA, flow.store_latency_ema, lab
-            evicted = self._delta(TIER_EVICTIONS, lab, s.evictions)
-            yield "counter", TIER_EVICTIONS, evicted, lab
-            yield "counter", FS_EVICTIONS, evicted, lab
-            if faults is not None:
-                for kind in FAULT_KINDS:
-                    fl = (tier.name, str(kind))
-                    failed = self._delta(TIER_FAULTS, fl, faults[kind])
-                    yield "counter", TIER_FAULTS, failed, fl
-                    yield "counter", FS_FAULTS, failed, fl
-            yield "gauge", TIER_USED_BYTES, tier.used_bytes, lab
-            yield "gauge", FS_USED_BYTES, tier.used_bytes, lab
-            yield "gauge", ACTIVE_PROMOTION_JOBS, core.promoting_blocks, lab
-            yield "gauge", ACTIVE_CASCADE_JOBS, core.write_pinned_blocks, lab
-            yield "gauge", PRIMARY_WRITE_USAGE_PERC, core.promoting_blocks / cap, lab
-            yield "gauge", PRIMARY_READ_USAGE_PERC, core.write_pinned_blocks / cap, lab
