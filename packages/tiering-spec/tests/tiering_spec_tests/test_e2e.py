@@ -132,6 +132,46 @@ def test_a_second_engine_on_the_same_root_dir_hits_the_first_runs_files(
     )
 
 
+def test_requests_that_ask_for_the_host_tier_only_never_load_from_the_fs_tier(
+    model: Path, fs_root: Path
+) -> None:
+    """vLLM 0.32's per-request ``kv_load_tiers`` (in ``kv_transfer_params``): requests
+    that name the host tier (medium CPU) alone find the first engine's files on the fs
+    tier and do not read them, ahead of their turn or in their lookup; the host tier
+    still serves their second pass. Outputs stay the reference's."""
+    from vllm import SamplingParams
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+            KV_LOAD_TIERS_KEY,
+        )
+    except ImportError:
+        pytest.skip("this vLLM has no per-request kv_load_tiers")
+    tiering(model, fs_root)  # the first engine wrote the files
+    params = SamplingParams(
+        temperature=0.0,
+        ignore_eos=True,
+        max_tokens=WORKLOAD.max_tokens,
+        extra_args={"kv_transfer_params": {KV_LOAD_TIERS_KEY: [{"medium": "CPU"}]}},
+    )
+    cfg = offload_config("TieringOffloadingSpec", host_chunks=10, root_dir=str(fs_root))
+    with testkit.llm_session(model, kv_transfer_config=kv_transfer_config(cfg), **ENGINE) as llm:
+        prompts = [{"prompt_token_ids": list(p)} for p in WORKLOAD.prompts]
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seen = inspect(llm)
+        hits = testkit.metric_values(list(llm.get_metrics()))
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    cmp = compare_outputs(reference(model).outputs, outputs)
+    assert cmp.identical, cmp.report()
+    stats, faults = seen["fs"][0]
+    assert stats.files_indexed_at_start > 0, "the first engine's files are there"
+    assert stats.reads == 0 and seen["counters"].promotions == 0, stats
+    assert seen["counters"].promoted_ahead == 0
+    assert seen["counters"].host_hits > 0, "the host tier serves them"
+    assert hits.get("vllm:external_prefix_cache_hits", 0) > 0, hits
+    assert not any(faults.values()), faults
+
+
 def test_files_corrupted_between_runs_are_counted_and_never_loaded(
     model: Path, fs_root: Path
 ) -> None:

@@ -111,3 +111,25 @@ def test_an_evicted_head_is_promoted_again_while_the_request_waits(make_tier) ->
     settle(mgr)
     assert all(mgr.pool.contains(k) for k in prefix)
     assert mgr.counters.promoted_ahead == 4
+
+
+def test_a_request_that_loads_from_no_secondary_tier_is_neither_promoted_nor_hit(
+    make_tier,
+) -> None:
+    """vLLM 0.32's per-request ``kv_load_tiers``: a tier the request leaves out is not
+    read for it, ahead of its lookup or in it; another request still reads it."""
+    prefix = [b"a", b"b"]
+    mgr = fs_only(make_tier, 8, prefix)
+    mgr.ahead("host-only", prefix, (False,))
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.counters.promoted_ahead == 0
+    assert mgr.lookup_prefix(prefix, "host-only", secondary=(False,)) == (0, None)
+    assert mgr.lookup(b"a", "host-only", secondary=False).name == "MISS"
+    assert mgr.counters.promotions == 0, "nothing read from the tier it left out"
+    mgr.forget_ahead("host-only")
+    mgr.ahead("any", prefix, (True,))
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.counters.promoted_ahead == 2
+    assert mgr.lookup_prefix(prefix, "any", secondary=(True,)) == (2, None)

@@ -76,6 +76,30 @@ def test_lookup_answers_are_vllms() -> None:
         assert (hit, pending, miss) == (True, None, False)
 
 
+def test_a_requests_kv_load_tiers_say_which_secondary_tiers_it_loads_from() -> None:
+    chosen = port.current()
+    tiers = ["LOCAL", "REMOTE"]  # an fs tier and a store tier
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler
+        from vllm.v1.kv_offload.base import ReqContext  # type: ignore[attr-defined]
+
+        parse = scheduler._parse_tier_filter  # vLLM's reading of kv_load_tiers
+    except (ImportError, AttributeError):  # a release without per-request tiers
+        assert chosen.load_tiers(object(), tiers) is None
+        return
+
+    def allowed(raw: object) -> object:
+        return chosen.load_tiers(ReqContext(req_id="r", load_tier_filter=parse(raw)), tiers)
+
+    assert chosen.load_tiers(ReqContext(req_id="r"), tiers) is None  # no kv_load_tiers
+    assert allowed([{"medium": "CPU"}]) == (False, False)  # the host tier alone
+    assert allowed([{"locality": "LOCAL"}]) == (True, False)
+    assert allowed([{"medium": "STORAGE", "locality": "REMOTE"}]) == (False, True)
+    assert allowed([{"medium": "STORAGE"}]) == (True, True)
+    assert allowed([]) == (False, False)  # asked for no tier at all
+    assert allowed([{"medium": "TAPE"}]) is None  # nothing vLLM knows: every tier
+
+
 def test_request_state_is_kept_on_a_context_without_vllms_store() -> None:
     class Context:  # vLLM 0.23's request context: no get_state / set_state
         pass

@@ -142,16 +142,20 @@ class TierManager(TierPromotions, TierJobs):
         self._digests: dict[bytes, bytes] = {}
         self._max_digests = max(1024, 2 * pool.num_blocks)
         # Requests vLLM has not admitted yet, oldest first (TierPromotions).
-        self._ahead: OrderedDict[str, Sequence[bytes]] = OrderedDict()
+        # Requests waiting, by arrival: their keys, and the tiers each may load from.
+        self._ahead: OrderedDict[str, tuple[Sequence[bytes], Sequence[bool] | None]] = OrderedDict()
         self._ahead_seen: tuple[object, ...] = ()
 
     # ------------------------------------------------------------------ lookups
 
-    def lookup(self, key: bytes, req_id: str = "", *, secondary: bool = True) -> Lookup:
+    def lookup(
+        self, key: bytes, req_id: str = "", *, secondary: bool | Sequence[bool] = True
+    ) -> Lookup:
         """Whether ``key`` can be loaded now (HIT), soon (HIT_PENDING) or not (MISS).
 
         A host miss that an fs tier holds starts a promotion and reads HIT_PENDING.
-        With ``secondary`` False (a request kept to the host tier) a host miss is a MISS.
+        With ``secondary`` False (a request kept to the host tier) a host miss is a MISS;
+        a sequence says, per secondary tier, whether the request may load from it.
         """
         if self._pass_req != req_id:
             self._end_pass()
@@ -174,7 +178,7 @@ class TierManager(TierPromotions, TierJobs):
                 return Lookup.MISS
             self._pass_keys.append(key)
             return Lookup.HIT_PENDING
-        if not self.secondary_tiers or not secondary:
+        if not self.secondary_tiers or secondary is False:
             return Lookup.MISS
         if self._refused and key in self._refused:
             return Lookup.MISS
@@ -182,6 +186,8 @@ class TierManager(TierPromotions, TierJobs):
         unknown = False
         clock = time.perf_counter
         for idx, tier in enumerate(self.secondary_tiers):
+            if secondary is not True and not secondary[idx]:
+                continue  # the request does not load from this tier
             start = clock()
             found = tier.contains(digest)
             if found is None:  # a store tier is asking its store: ask again next step
@@ -213,7 +219,7 @@ class TierManager(TierPromotions, TierJobs):
         return Lookup.HIT_PENDING if unknown else Lookup.MISS
 
     def lookup_prefix(
-        self, keys: Sequence[bytes], req_id: str = "", *, secondary: bool = True
+        self, keys: Sequence[bytes], req_id: str = "", *, secondary: bool | Sequence[bool] = True
     ) -> tuple[int, list[bool] | None]:
         """:meth:`lookup` of ``keys`` in order up to the first MISS: how many keys lead
         up to it, and None when all of them are HIT, else whether each is HIT (False:

@@ -38,8 +38,14 @@ _AUTH_KEY_FILE_WORDS = (
 
 
 def locality_key(default: str) -> Key:
-    """The ``locality`` key (``LOCAL`` or ``REMOTE``, any case), reported in KV events."""
-    return Key("locality", Choice(LOCALITIES, fold_case=True), "reported in KV events", default)
+    """The ``locality`` key (``LOCAL`` or ``REMOTE``, any case), reported in KV events and
+    matched by a request's ``kv_load_tiers``."""
+    return Key(
+        "locality",
+        Choice(LOCALITIES, fold_case=True),
+        "reported in KV events; matched by a request's `kv_load_tiers`",
+        default,
+    )
 
 
 def auth_key_file_key(meaning: str) -> Key:

@@ -59,7 +59,7 @@ class TierPromotions:
     _room_owner: dict[bytes, str]
     _room_reqs: dict[str, int]
     _load_sources: OrderedDict[bytes, str]
-    _ahead: OrderedDict[str, Sequence[bytes]]
+    _ahead: OrderedDict[str, tuple[Sequence[bytes], Sequence[bool] | None]]
     _ahead_seen: tuple[object, ...]
     _refused: OrderedDict[bytes, int]
 
@@ -104,15 +104,18 @@ class TierPromotions:
             else:
                 del self._room_reqs[req]
 
-    def ahead(self, req_id: str, keys: Sequence[bytes]) -> None:
+    def ahead(
+        self, req_id: str, keys: Sequence[bytes], tiers: Sequence[bool] | None = None
+    ) -> None:
         """vLLM added request ``req_id`` whose prompt's offload keys are ``keys``, in
-        prefix order: promote what only a secondary tier holds while it waits. ``keys``
-        is kept as given: a list of the caller's own, which nobody changes after."""
+        prefix order: promote what only a secondary tier holds while it waits (``tiers``:
+        whether it may load from each secondary tier; None: from all). ``keys`` is kept
+        as given: a list of the caller's own, which nobody changes after."""
         if not self.secondary_tiers or not keys:
             return
         queue = self._ahead
         if len(queue) < MAX_AHEAD:  # (beyond, vLLM admits many before these)
-            queue[req_id] = keys
+            queue[req_id] = (keys, tiers)
 
     def forget_ahead(self, req_id: str) -> None:
         """vLLM admitted ``req_id``, or it finished."""
@@ -128,7 +131,7 @@ class TierPromotions:
         it, as the oldest holder of a lookup may go: stores need the rest). Looked at
         again each step: its cached keys may have been evicted since, and the keys of a
         prefix another request computes written."""
-        req_id, keys = next(iter(self._ahead.items()))
+        req_id, (keys, tiers) = next(iter(self._ahead.items()))
         pool = self.pool
         # What the last look found holds while nothing it read changed (most steps).
         seen = (
@@ -154,7 +157,12 @@ class TierPromotions:
                 break
             digest = self._digest(key)
             source = next(
-                (i for i, tier in enumerate(self.secondary_tiers) if tier.indexed(digest)), None
+                (
+                    i
+                    for i, tier in enumerate(self.secondary_tiers)
+                    if (tiers is None or tiers[i]) and tier.indexed(digest)
+                ),
+                None,
             )
             if source is None:
                 break

@@ -80,7 +80,8 @@ class KvtierOffloadingManager(OffloadingManager):
         self.side = side
         self._logged: set[str] = set()
         self._pass_context: ReqContext | None = None
-        self._pass_secondary = True
+        self._pass_secondary: bool | Sequence[bool] = True
+        self._localities = [tier.locality for tier in side.core.secondary_tiers]
         self.core = side.core
         self._regions = side.regions
         self._metrics = MetricsEmitter(
@@ -115,13 +116,26 @@ class KvtierOffloadingManager(OffloadingManager):
         for key in keys:
             yield convert(Lookup.MISS if miss else lookup(key, req_id, secondary=secondary))
 
-    def _pass_tiers(self, req_context: ReqContext) -> bool:
-        """Whether the request being looked up may use the secondary tiers, read once a
-        pass (vLLM looks a request's keys up one by one)."""
+    def _pass_tiers(self, req_context: ReqContext) -> bool | Sequence[bool]:
+        """The secondary tiers the request being looked up may load from
+        (:meth:`_load_tiers`), read once a pass (vLLM looks a request's keys up one by
+        one)."""
         if req_context is not self._pass_context:
             self._pass_context = req_context
-            self._pass_secondary = self._secondary(req_context)
+            self._pass_secondary = self._load_tiers(req_context)
         return self._pass_secondary
+
+    def _load_tiers(self, req_context: ReqContext) -> bool | Sequence[bool]:
+        """The secondary tiers the request may load from: all (True), none (False), or
+        whether each, where its ``kv_load_tiers`` leaves some out (vLLM 0.32 on)."""
+        if not self._secondary(req_context):
+            return False
+        if not self.core.secondary_tiers:
+            return True
+        tiers = compat.PORT.load_tiers(req_context, self._localities)
+        if tiers is None or all(tiers):
+            return True
+        return tiers if any(tiers) else False
 
     def lookup_prefix(
         self, keys: Sequence[OffloadKey], req_context: ReqContext
@@ -154,8 +168,12 @@ class KvtierOffloadingManager(OffloadingManager):
         """Called by kvtier's connector when vLLM adds a request, with its prompt's
         offload keys: what only a secondary tier holds of them is promoted while the
         request waits (see :mod:`kvtier.tiering_spec.tier_promotions`)."""
-        if self.side.offload.no_loads_reason is None and self._secondary(req_context):
-            self.core.ahead(req_context.req_id, cast(Sequence[bytes], keys))
+        if self.side.offload.no_loads_reason is not None:
+            return
+        tiers = self._load_tiers(req_context)
+        if tiers is not False:
+            mask = None if tiers is True else tiers
+            self.core.ahead(req_context.req_id, cast(Sequence[bytes], keys), mask)
 
     def _secondary(self, req_context: ReqContext) -> bool:
         """Whether the request may read and write the secondary (persistent) tiers."""

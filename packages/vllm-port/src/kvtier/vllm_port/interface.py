@@ -219,6 +219,19 @@ class VllmPort(abc.ABC):
             return False
         return True
 
+    def load_tiers(self, req_context: Any, localities: list[str]) -> tuple[bool, ...] | None:
+        """Whether the request may load from each secondary tier (a storage tier of
+        locality ``LOCAL`` or ``REMOTE``, in ``localities``), as its ``kv_load_tiers``
+        (vLLM 0.32's ``load_tier_filter``, read from the request's
+        ``kv_transfer_params``) says; None: from every tier (no filter, or a release
+        without one). The host tier is always read, as vLLM's tiering manager does."""
+        allowed = getattr(req_context, "load_tier_filter", None)
+        if allowed is None or allowed is getattr(type(allowed), "ALL", None):
+            return None
+        base = offload_base()
+        medium = base.Medium.STORAGE
+        return tuple(bool(allowed.allows(medium, base.Locality(loc))) for loc in localities)
+
     def key_positions(self, req_context: Any, keys: list[Any]) -> list[Any] | None:
         """Each key's place in the request's prompt, where the scheduler tells it."""
         position = getattr(req_context, "get_offload_key_position", None)
