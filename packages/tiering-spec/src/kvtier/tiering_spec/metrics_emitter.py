@@ -208,19 +208,15 @@ class MetricsEmitter:
     def _write_host(self, sink: StatsSink, zero_skips: bool) -> None:
         """The host tier's rows: its usage gauges (every time), allocation sizes, and
         its counters that moved."""
-        gauges, last = self._gauges, self._last
+        gauges = self._gauges
         for name, value in self._host_gauges():
             gauges[(name, ())] = value
             sink.set_gauge(name, value, ())
         for size in self.core.take_allocation_sizes():
             sink.observe_histogram(CPU_ALLOCATION_SIZE, size, ())
         for name, labels, total in self._host_totals():
-            key = (name, labels)
-            step = total - last.get(key, 0)
-            if step:
-                last[key] = total
-                sink.increase_counter(name, step, labels)
-            elif zero_skips and name == STORES_SKIPPED:
+            moved = self._counter(sink, name, labels, total)
+            if not moved and zero_skips and name == STORES_SKIPPED:
                 sink.increase_counter(name, 0, labels)
 
     def _counter(self, sink: StatsSink, name: str, labels: tuple[str, ...], total: float) -> float:
