@@ -120,7 +120,11 @@ def test_a_request_that_loads_from_no_secondary_tier_is_neither_promoted_nor_hit
     read for it, ahead of its lookup or in it; another request still reads it."""
     prefix = [b"a", b"b"]
     mgr = fs_only(make_tier, 8, prefix)
+    mgr.ahead("kept-to-the-host-tier", prefix, False)  # (a request with a LoRA adapter)
     mgr.ahead("host-only", prefix, (False,))
+    mgr.end_step()
+    settle(mgr)
+    mgr.forget_ahead("kept-to-the-host-tier")
     mgr.end_step()
     settle(mgr)
     assert mgr.counters.promoted_ahead == 0

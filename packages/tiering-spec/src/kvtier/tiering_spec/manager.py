@@ -141,9 +141,9 @@ class TierManager(TierPromotions, TierJobs):
         # touches and the request's end all need it); forgotten all at once when full.
         self._digests: dict[bytes, bytes] = {}
         self._max_digests = max(1024, 2 * pool.num_blocks)
-        # Requests vLLM has not admitted yet, oldest first (TierPromotions).
-        # Requests waiting, by arrival: their keys, and the tiers each may load from.
-        self._ahead: OrderedDict[str, tuple[Sequence[bytes], Sequence[bool] | None]] = OrderedDict()
+        # Requests vLLM has not admitted yet, oldest first: their keys and the tiers each
+        # may load from (TierPromotions).
+        self._ahead = OrderedDict()
         self._ahead_seen: tuple[object, ...] = ()
 
     # ------------------------------------------------------------------ lookups

@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Literal
 
 from kvtier.blockpool import Hold, HostBlockPool
 from kvtier.tiering_spec.tier_flow import TierCounters
@@ -59,7 +60,7 @@ class TierPromotions:
     _room_owner: dict[bytes, str]
     _room_reqs: dict[str, int]
     _load_sources: OrderedDict[bytes, str]
-    _ahead: OrderedDict[str, tuple[Sequence[bytes], Sequence[bool] | None]]
+    _ahead: OrderedDict[str, tuple[Sequence[bytes], Literal[True] | Sequence[bool]]]
     _ahead_seen: tuple[object, ...]
     _refused: OrderedDict[bytes, int]
 
@@ -105,17 +106,18 @@ class TierPromotions:
                 del self._room_reqs[req]
 
     def ahead(
-        self, req_id: str, keys: Sequence[bytes], tiers: Sequence[bool] | None = None
+        self, req_id: str, keys: Sequence[bytes], secondary: bool | Sequence[bool] = True
     ) -> None:
         """vLLM added request ``req_id`` whose prompt's offload keys are ``keys``, in
-        prefix order: promote what only a secondary tier holds while it waits (``tiers``:
-        whether it may load from each secondary tier; None: from all). ``keys`` is kept
-        as given: a list of the caller's own, which nobody changes after."""
-        if not self.secondary_tiers or not keys:
+        prefix order: promote what only a secondary tier holds while it waits.
+        ``secondary``: the tiers it may load from, as :meth:`TierManager.lookup` takes
+        them. ``keys`` is kept as given: a list of the caller's own, which nobody changes
+        after."""
+        if not self.secondary_tiers or not keys or secondary is False:
             return
         queue = self._ahead
         if len(queue) < MAX_AHEAD:  # (beyond, vLLM admits many before these)
-            queue[req_id] = (keys, tiers)
+            queue[req_id] = (keys, secondary)
 
     def forget_ahead(self, req_id: str) -> None:
         """vLLM admitted ``req_id``, or it finished."""
@@ -160,7 +162,7 @@ class TierPromotions:
                 (
                     i
                     for i, tier in enumerate(self.secondary_tiers)
-                    if (tiers is None or tiers[i]) and tier.indexed(digest)
+                    if (tiers is True or tiers[i]) and tier.indexed(digest)
                 ),
                 None,
             )

@@ -168,12 +168,9 @@ class KvtierOffloadingManager(OffloadingManager):
         """Called by kvtier's connector when vLLM adds a request, with its prompt's
         offload keys: what only a secondary tier holds of them is promoted while the
         request waits (see :mod:`kvtier.tiering_spec.tier_promotions`)."""
-        if self.side.offload.no_loads_reason is not None:
-            return
-        tiers = self._load_tiers(req_context)
-        if tiers is not False:
-            mask = None if tiers is True else tiers
-            self.core.ahead(req_context.req_id, cast(Sequence[bytes], keys), mask)
+        if self.side.offload.no_loads_reason is None:
+            tiers = self._load_tiers(req_context)
+            self.core.ahead(req_context.req_id, cast(Sequence[bytes], keys), tiers)
 
     def _secondary(self, req_context: ReqContext) -> bool:
         """Whether the request may read and write the secondary (persistent) tiers."""
