@@ -428,3 +428,70 @@ def test_names_come_only_from_hex_digests() -> None:
     assert set(shard + name[:-3]) <= set("0123456789abcdef") and name.endswith(".kv")
     assert fs_format.parse_file_name("zz" * 16 + ".kv") is None
     assert fs_format.parse_file_name(name) == key_digest(b"../../etc/passwd")
+
+
+def _job_of_writes(keys: list[bytes], blocks: list[int]):
+    from kvtier.tiering_spec.tiers.base import TierJob
+
+    return TierJob(1, "write", "r", [(k, key_digest(k), b) for k, b in zip(keys, blocks)])
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "frecency"])
+def test_a_jobs_writes_evict_and_take_over_as_item_by_item(
+    make_tier, tmp_path: Path, policy: str
+) -> None:
+    """A job's writes make their room in one call: the same entries are evicted and
+    the same number of files taken over as when each write makes its own, every write
+    lands and reads back, and a duplicate key in the job starts once."""
+    from kvtier.tiering_spec.tiers.base import SecondaryTier
+
+    entry = fs_format.HEADER_SIZE + PAYLOAD
+    outcomes = []
+    for batched in (False, True):
+        region = Region(12)
+        tier = make_tier(
+            region, root=tmp_path / f"fs-{batched}", capacity=6 * entry, eviction_policy=policy
+        )
+        for i in range(5):  # five entries, one of them used again
+            write(tier, region, b"old%d" % i, i, i)
+        tier.finish_request([key_digest(b"old1")], {key_digest(b"old1")})
+        keys = [b"new0", b"new1", b"old3", b"new2", b"new1", b"new3"]
+        blocks = [5, 6, 3, 7, 6, 8]
+        data = {k: region.fill(0, b, 40 + b) for k, b in zip(keys, blocks) if k.startswith(b"new")}
+        job = _job_of_writes(keys, blocks)
+        started = tier.submit(job) if batched else SecondaryTier.submit(tier, job)
+        assert started == [True, True, False, True, False, True]
+        results: list = []
+        deadline = time.monotonic() + 20
+        while len(results) < 4 and time.monotonic() < deadline:
+            results += [r for r in tier.results() if r.op == "write"]
+            time.sleep(0.002)
+        assert len(results) == 4 and all(r.ok for r in results)
+        assert {r.job for r in results} == {1}, "each result is labelled with its job"
+        wait_for_unlinks(tier)
+        assert tier.jobs_in_flight == 0 and tier.in_flight == 0
+        kept = sorted(
+            k for k in [*(b"old%d" % i for i in range(5)), *data] if tier.has(key_digest(k))
+        )
+        for n, (k, expected) in enumerate(data.items()):
+            assert read(tier, k, 9 + n % 3).ok and region.block(0, 9 + n % 3) == expected
+        on_disk = sorted(n for _, _, ns in os.walk(tier.dirs[0]) for n in ns if n.endswith(".kv"))
+        outcomes.append((kept, tier.stats.evictions, tier.stats.files_reused, on_disk))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1][1] == 3 and outcomes[1][2] == 3
+
+
+def test_a_job_whose_writes_do_not_all_fit_starts_the_first_ones(make_tier) -> None:
+    """Room for two of three new entries, everything else being read: the job starts
+    its first two writes and drops the third, as item by item."""
+    entry = fs_format.HEADER_SIZE + PAYLOAD
+    region = Region(6)
+    tier = make_tier(region, capacity=3 * entry)
+    write(tier, region, b"a", 0, 1)
+    tier._reading[key_digest(b"a")] = 1  # a read in flight: never evicted
+    started = tier.submit(_job_of_writes([b"x", b"y", b"z"], [1, 2, 3]))
+    assert started == [True, True, False]
+    assert tier.stats.writes_dropped == 1
+    assert all(r.ok for r in wait_results(tier, 2))
+    assert tier.has(key_digest(b"x")) and tier.has(key_digest(b"y"))
+    assert not tier.has(key_digest(b"z"))

@@ -48,22 +48,16 @@ class TierJobs:
         pool = self.pool
         self._stores += 1
         store = f"store-{self._stores}"
+        contains, digest_of = pool.contains, self._digest
+        present = [(key, digest_of(key)) for key in keys if contains(key)]
         for idx, tier in enumerate(self.secondary_tiers):
-            room = self.max_write_backlog - pool.held(Hold.TIER_WRITE)
-            wanted: list[tuple[bytes, bytes]] = []
-            dropped = 0
-            for key in keys:
-                if not pool.contains(key):
-                    continue
-                digest = self._digest(key)
-                if tier.has(digest):
-                    continue
-                if room <= 0:
-                    self.counters.writes_dropped += 1
-                    dropped += 1
-                    continue
-                room -= 1
-                wanted.append((key, digest))
+            has = tier.has
+            wanted = [(key, digest) for key, digest in present if not has(digest)]
+            room = max(0, self.max_write_backlog - pool.held(Hold.TIER_WRITE))
+            dropped = max(0, len(wanted) - room)
+            if dropped:
+                self.counters.writes_dropped += dropped
+                del wanted[room:]
             if wanted:
                 blocks = pool.hold([key for key, _ in wanted], Hold.TIER_WRITE)
                 self._queued[(idx, "write", store)] = [

@@ -1,6 +1,8 @@
 """The fs tier's capacity: the bytes its files may take, which files go when room is
-needed, and how a full disk lowers the bound and the free space it shows later raises
-it again.
+needed, how a full disk lowers the bound and the free space it shows later raises it
+again, and the writes that make that room: one at a time, or a job's writes together
+(one eviction call for all of them, one task per write thread: the scheduler thread
+pays a few Python calls per job, not per block).
 
 :class:`TierCapacity` is a part of :class:`~kvtier.tiering_spec.tiers.fs.tier.
 FileSystemTier` (a mixin): it works on the tier's index (:class:`~kvtier.tiering_spec.
@@ -15,8 +17,12 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tiering_spec.tiers.base import TierFault, TierResult, TierStats
+from kvtier.tiering_spec.tiers.base import JobBook, TierFault, TierJob, TierResult, TierStats
 from kvtier.tiering_spec.tiers.fs.index import FsCapacity, FsIndex
+from kvtier.tiering_spec.tiers.fs.pool import IoThreads
+
+if TYPE_CHECKING:
+    from kvtier.tiering_spec.tier_config import TierConfig
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -40,6 +46,10 @@ class TierCapacity:
     _reading: dict[bytes, int]
     _writing: set[bytes]
     _unlinking: dict[bytes, int]
+    _reusing: dict[bytes, bytes]
+    _inflight: int
+    _io: IoThreads
+    cfg: TierConfig
     _retried: set[bytes]
     _closed: bool
     _views: Sequence[memoryview] | None
@@ -54,6 +64,12 @@ class TierCapacity:
         def _submit(self, kind: str, fn: Callable[..., Any], *args: Any) -> None: ...
 
         def _write_task(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def _write_tasks(self, *args: Any) -> None: ...
+
+        def _views_now(self) -> Sequence[memoryview] | None: ...
+
+        def _job_book(self) -> JobBook: ...
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -71,33 +87,115 @@ class TierCapacity:
         return max(self.entry_bytes, int(DEFAULT_FREE_FRACTION * (self._free_at_start + held)))
 
     def _make_room(
-        self, nbytes: int, protect: bytes | None = None, *, reuse: bool = False
-    ) -> tuple[bool, bytes | None]:
+        self, nbytes: int, protect: bytes | None = None, *, reuse: int = 0
+    ) -> tuple[bool, list[bytes]]:
         """Evict the entries the policy picks (never ones being read) until ``nbytes``
-        more fit. Returns (whether they fit, evicting nothing more when they cannot;
-        with ``reuse``, one evicted entry whose files the caller's write takes over
-        instead of creating new ones, or None). A reused digest stays in
-        ``_unlinking`` until that write is polled."""
+        more fit. Returns (whether they fit, evicting nothing more when they cannot; up
+        to ``reuse`` evicted entries, the policy's first first, whose files the caller's
+        writes take over instead of creating new ones). A reused digest stays in
+        ``_unlinking`` until the write that takes it over is polled."""
         reading = self._reading
         evicted = self._index.make_room(
             nbytes, self.capacity_bytes, lambda digest: digest in reading or digest == protect
         )
         if evicted is None:
-            return False, None
+            return False, []
         removed_keys: list[bytes] = []
-        reused: bytes | None = None
+        reused: list[bytes] = []
         for digest, entry in evicted:
             self.stats.evictions += 1
             if entry.key is not None:
                 removed_keys.append(entry.key)
-            if reuse and reused is None and entry.nbytes == self.entry_bytes:
-                reused = digest
+            if len(reused) < reuse and entry.nbytes == self.entry_bytes:
+                reused.append(digest)
                 self._unlinking[digest] = self._unlinking.get(digest, 0) + 1
             else:
                 self._unlink(digest)
         if removed_keys and self.enable_events:
             self._events.append((True, removed_keys))
         return True, reused
+
+    def submit_write(self, key: bytes, digest: bytes, block_id: int) -> bool:
+        """Write host block ``block_id`` (all ranks) as ``key``. False if not submitted:
+        already present, no room under ``capacity_bytes``, or the region is not mapped."""
+        if (
+            digest in self._index
+            or digest in self._writing
+            or digest in self._unlinking
+            or self._closed
+        ):
+            return False
+        views = self._views_now()
+        if views is None:
+            self.stats.writes_dropped += 1
+            return False
+        fits, reused = self._make_room(self.entry_bytes, reuse=1)
+        reuse = reused[0] if reused else None
+        if not fits:
+            self.stats.writes_dropped += 1
+            return False
+        self._index.reserved += self.entry_bytes
+        self._writing.add(digest)
+        if reuse is not None:
+            self._reusing[digest] = reuse
+        self._submit("write", self._write_task, key, digest, block_id, views, reuse)
+        return True
+
+    def submit(self, job: TierJob) -> list[bool]:
+        """A job's writes reserve their room together and go to the write threads in
+        one task per thread (see :meth:`_submit_writes`); reads, and writes that do not
+        all fit, start item by item (``SecondaryTier.submit``)."""
+        if job.op != "write" or len(job.items) < 2:
+            return super().submit(job)  # type: ignore[misc, no-any-return]
+        started = self._submit_writes(job.items)
+        if started is None:
+            return super().submit(job)  # type: ignore[misc, no-any-return]
+        book = self._job_book()
+        for (key, _digest, _block), ok in zip(job.items, started):
+            if ok:
+                book.started(job, key)
+        return started
+
+    def _submit_writes(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool] | None:
+        """``submit_write`` of every item, with the room for all of them made at once
+        (the same entries evicted, the same files taken over, as item by item). None,
+        changing nothing, when they do not all fit: item by item, the first ones may."""
+        if self._closed:
+            return [False] * len(items)
+        index, writing, unlinking = self._index, self._writing, self._unlinking
+        started: list[bool] = []
+        wanted: list[tuple[bytes, bytes, int]] = []
+        for item in items:
+            digest = item[1]
+            if digest in index or digest in writing or digest in unlinking:
+                started.append(False)
+                continue
+            writing.add(digest)  # (a digest twice in the job starts once, as item by item)
+            wanted.append(item)
+            started.append(True)
+        if not wanted:
+            return started
+        views = self._views_now()
+        fits, reused = (
+            (False, [])
+            if views is None
+            else self._make_room(len(wanted) * self.entry_bytes, reuse=len(wanted))
+        )
+        if not fits:
+            writing.difference_update(digest for _key, digest, _block in wanted)
+            return None
+        index.reserved += len(wanted) * self.entry_bytes
+        reuses: list[bytes | None] = [*reused, *[None] * (len(wanted) - len(reused))]
+        for (_key, digest, _block), reuse in zip(wanted, reuses):
+            if reuse is not None:
+                self._reusing[digest] = reuse
+        writes = [(*item, reuse) for item, reuse in zip(wanted, reuses)]
+        self._inflight += len(writes)
+        threads = max(1, min(self.cfg.n_write_threads, len(writes)))
+        per = -(-len(writes) // threads)
+        for start in range(0, len(writes), per):
+            self._io.put("write", self._write_tasks, writes[start : start + per], views)
+        return started
 
     def _forget(self, digest: bytes, key: bytes | None, unlink: bool) -> None:
         """Drop ``digest`` from the index (a KV event where enabled), removing its

@@ -104,6 +104,19 @@ class BlockFileTasks:
             self._disk.note_own_change(old_shard, reuse, False)
         self._finish("write", key, digest, block_id, fault, t0)
 
+    def _write_tasks(
+        self, writes: Sequence[tuple[bytes, bytes, int, bytes | None]], views: Sequence[memoryview]
+    ) -> None:
+        """``_write_task`` of each (key, digest, host block, file to take over): the
+        share of one job's writes that one write thread takes (``submit``). Every item
+        hands a result to ``poll``, whatever the items before it met."""
+        for key, digest, block_id, reuse in writes:
+            t0 = time.perf_counter()
+            try:
+                self._write_task(key, digest, block_id, views, reuse)
+            except Exception:  # never expected: _write_task keeps its faults
+                self._finish("write", key, digest, block_id, TierFault.WRITE_FAILED, t0)
+
     def _finish(
         self, op: str, key: bytes, digest: bytes, block_id: int, fault: TierFault | None, t0: float
     ) -> None:

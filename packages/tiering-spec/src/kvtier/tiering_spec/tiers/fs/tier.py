@@ -367,31 +367,6 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         self._inflight += 1
         self._io.put(kind, fn, *args)
 
-    def submit_write(self, key: bytes, digest: bytes, block_id: int) -> bool:
-        """Write host block ``block_id`` (all ranks) as ``key``. False if not submitted:
-        already present, no room under ``capacity_bytes``, or the region is not mapped."""
-        if (
-            digest in self._index
-            or digest in self._writing
-            or digest in self._unlinking
-            or self._closed
-        ):
-            return False
-        views = self._views_now()
-        if views is None:
-            self.stats.writes_dropped += 1
-            return False
-        fits, reuse = self._make_room(self.entry_bytes, reuse=True)
-        if not fits:
-            self.stats.writes_dropped += 1
-            return False
-        self._index.reserved += self.entry_bytes
-        self._writing.add(digest)
-        if reuse is not None:
-            self._reusing[digest] = reuse
-        self._submit("write", self._write_task, key, digest, block_id, views, reuse)
-        return True
-
     def submit_read(self, key: bytes, digest: bytes, block_id: int) -> bool:
         """Read ``key``'s files into host block ``block_id``. False if not submitted."""
         if digest not in self._index or self._closed:
@@ -413,34 +388,37 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         if self._free_seen is not None and self._capacity.lowered:
             self._regrow()
         out: list[TierResult] = []
-        results = self._results
+        results, index, stats = self._results, self._index, self.stats
+        writing, reusing, reading = self._writing, self._reusing, self._reading
+        events = self._events if self.enable_events else None
         while results:
             res = results.popleft()
             self._inflight -= 1
-            if res.op == "unlink":
+            op = res.op
+            if op == "unlink":
                 self._unlinked(res.key)
                 continue
             digest = res.digest or fs_format.key_digest(res.key)
-            if res.op == "write":
-                self._writing.discard(digest)
-                reused = self._reusing.pop(digest, None)
+            if op == "write":
+                writing.discard(digest)
+                reused = reusing.pop(digest, None)
                 if reused is not None:
                     self._unlinked(reused)
-                self._index.reserved -= self.entry_bytes
+                index.reserved -= self.entry_bytes
                 if res.ok:
                     self._retried.discard(digest)
-                    self._index.add(digest, res.key)
-                    self.stats.record(res)
-                    if self.enable_events:
-                        self._events.append((False, [res.key]))
+                    index.add(digest, res.key)
+                    stats.record(res)
+                    if events is not None:
+                        events.append((False, [res.key]))
                 elif res.fault == TierFault.DISK_FULL and self._retry_on_full_disk(res, digest):
                     continue
                 else:
                     self._fault(res.fault or TierFault.WRITE_FAILED, res)
             else:
-                count_down(self._reading, digest)
+                count_down(reading, digest)
                 if res.ok:
-                    self.stats.record(res)
+                    stats.record(res)
                 else:
                     self._fault(res.fault or TierFault.UNREADABLE, res)
                     # A bad file is removed so it is never tried again; an unreadable
