@@ -110,6 +110,9 @@ class _Blocks:
         self.blocks = blocks
 
 
+_NO_JOBS: frozenset[int] = frozenset()
+
+
 class SyncLoads:
     """The scheduler-side state of :func:`enable`: the step's budget and the
     synchronous load jobs vLLM has not yet seen completed."""
@@ -184,6 +187,15 @@ class SyncLoads:
 
     def planned(self, build: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def build_connector_meta(scheduler_output: Any) -> Any:
+            if not self.jobs:  # no synchronous load pending (most steps): nothing to hide
+                try:
+                    meta = build(scheduler_output)
+                finally:
+                    self.step_bytes = 0
+                    if self.step_reqs:
+                        self.step_reqs.clear()
+                setattr(meta, META_FIELD, _NO_JOBS)
+                return meta
             scheduler = self.scheduler
             jobs: dict[int, Any] = scheduler._jobs
             statuses: dict[str, Any] = scheduler._req_status
