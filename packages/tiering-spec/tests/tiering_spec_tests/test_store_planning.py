@@ -1,8 +1,10 @@
 """kvtier's quicker scheduler-side steps plan exactly what vLLM's own do.
 
 :mod:`kvtier.vllm_port.store_planning` skips, per step, the requests that cannot store
-and the key updates that find no new hash; :mod:`kvtier.vllm_port.lookups` looks a
-prefix up in one call and answers a one-tier hit's sources at once. Here a real engine
+and the key updates that find no new hash, and plans a quiet step (nothing admitted,
+loaded, preempted or finished) without vLLM's event handling;
+:mod:`kvtier.vllm_port.lookups` looks a prefix up in one call and answers a one-tier
+hit's sources at once. Here a real engine
 runs a workload with prefix reuse, preemptions and stores during decode twice, with and
 without them, and every step's connector metadata (store and load jobs with their
 blocks, jobs to flush) and every hit's split by tier must be the same.
@@ -85,9 +87,13 @@ def _plans(model: Path, prompt_only: bool) -> tuple[list[Any], list[list[int]], 
         connector.get_external_cache_hit_sources = split
         one_call = "_maximal_prefix_lookup" in vars(scheduler)
         result = run_workload(llm, WORKLOAD)
+        quiet = getattr(scheduler, "kvtier_quiet_steps", None)
     finally:
         free_llm(llm)
     assert result.preemptions > 0, "the workload must preempt"
+    if quick and quiet is not None:
+        # Most steps plan nothing but the running requests' keys: kvtier's quiet path.
+        assert 0 < quiet < len([s for s in steps if s[0] != "sources"]), quiet
     return steps, result.outputs, quick and one_call
 
 

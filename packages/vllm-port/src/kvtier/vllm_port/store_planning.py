@@ -32,6 +32,14 @@ Where vLLM's scheduler lacks what these read, nothing changes. Under the candida
 filter, :mod:`kvtier.vllm_port.store_jobs` plans a plain model's stores in place of
 vLLM's ``_build_store_jobs`` where it applies.
 
+:func:`quiet_steps` builds the metadata of a step that admits, loads, preempts and
+finishes nothing (most decode steps) without the parts of vLLM's step planning that
+only such events feed: the request states are updated, the manager's step ended (where
+vLLM ends it: first on 0.32, last on 0.33), re-allocated blocks' jobs flushed and the
+candidates' stores planned, as vLLM's own method does; any other step is vLLM's. It is
+installed only where vLLM's method reads exactly the names of 0.32's or 0.33's
+(:data:`_META_SHAPES`), without sliding-window groups.
+
 :func:`has_worker_news` tells a connector when vLLM's ``update_connector_output`` would
 do nothing (no worker metadata: no job completed, no transfer stats), so it can skip it.
 """
@@ -96,7 +104,8 @@ def _has_shape(scheduler: Any) -> bool:
 
 def speed_up(scheduler: Any) -> bool:
     """Apply both changes (see the module) to ``scheduler``, an
-    ``OffloadingConnectorScheduler``. Returns whether it did."""
+    ``OffloadingConnectorScheduler``, and :func:`quiet_steps` where it has their
+    shape. Returns whether the two were applied."""
     if not _has_shape(scheduler):
         return False
     if getattr(scheduler, "_sliding_window_groups", None) == ():
@@ -106,6 +115,100 @@ def speed_up(scheduler: Any) -> bool:
             logger.debug("kvtier: vLLM's request-state update kept", exc_info=True)
     store_jobs.install(scheduler)  # the candidate filter goes in front of it
     plan_stores_for_candidates(scheduler)
+    quiet_steps(scheduler)
+    return True
+
+
+# What vLLM's step planning reads (its method's global and attribute names), by the
+# release that has it: the method :func:`quiet_steps` stands in front of, and whether
+# that release ends the manager's step before planning stores (0.32) or after (0.33).
+_STEP_NAMES = (
+    "OffloadingConnectorMetadata ScheduleEndContext _block_id_to_pending_jobs "
+    "_build_partial_tail_store_jobs _build_store_jobs _current_batch_allocated_block_ids "
+    "_current_batch_jobs_to_flush _current_batch_load_jobs _jobs _req_status "
+    "_update_req_states finished_req_ids finished_signaled get is_store isdisjoint iter "
+    "keys manager next on_request_finished on_schedule_end preempted_req_ids req_context "
+    "scheduled_new_reqs set transfer_jobs update"
+)
+_META_SHAPES: dict[frozenset[str], tuple[str, bool]] = {
+    frozenset(_STEP_NAMES.split()): ("build_connector_meta", True),
+    frozenset(
+        (
+            _STEP_NAMES + " _RESET_FENCE_WARN_S _current_batch_sync_load_bytes "
+            "_current_batch_sync_loads _reset_fence _reset_fence_since is_sync_load len "
+            "logger monotonic time warning_once"
+        ).split()
+    ): ("_build_connector_meta", False),
+}
+
+
+def _meta_shape(cls: type) -> tuple[str, bool] | None:
+    """(method, whether the step ends first) where ``cls`` plans steps as 0.32 or 0.33."""
+    for method in ("_build_connector_meta", "build_connector_meta"):
+        code = getattr(getattr(cls, method, None), "__code__", None)
+        shape = _META_SHAPES.get(frozenset(getattr(code, "co_names", ())))
+        if shape is not None and shape[0] == method:
+            return shape
+    return None
+
+
+def quiet_steps(scheduler: Any) -> bool:
+    """Plan a quiet step's metadata without vLLM's event handling (see the module);
+    whether it was put in front of ``scheduler``'s own method."""
+    cls = type(scheduler)
+    shape = _meta_shape(cls)
+    module = sys.modules.get(cls.__module__)
+    if shape is None or module is None or getattr(scheduler, "_sliding_window_groups", 1) != ():
+        return False
+    method, end_first = shape
+    vllm_plan: Callable[[Any], Any] = getattr(scheduler, method)
+    metadata, end_context = module.OffloadingConnectorMetadata, module.ScheduleEndContext
+    manager = scheduler.manager
+    sync_loads = hasattr(scheduler, "_current_batch_sync_loads")  # (0.33)
+
+    def plan(scheduler_output: Any) -> Any:
+        block_state = scheduler_output.kv_connector_block_state
+        if (
+            scheduler_output.scheduled_new_reqs
+            or scheduler_output.preempted_req_ids
+            or scheduler_output.finished_req_ids
+            or scheduler._current_batch_load_jobs
+            or scheduler._current_batch_jobs_to_flush
+            or (block_state and block_state.boundary_state_offloads)
+            or (
+                sync_loads
+                and (
+                    scheduler._reset_fence
+                    or scheduler._current_batch_sync_loads
+                    or scheduler._current_batch_sync_load_bytes
+                )
+            )
+        ):
+            return vllm_plan(scheduler_output)
+        scheduler.kvtier_quiet_steps += 1
+        scheduler._update_req_states(scheduler_output)
+        end = end_context(new_req_ids=[], preempted_req_ids=())
+        if end_first:
+            manager.on_schedule_end(end)
+        allocated = scheduler._current_batch_allocated_block_ids
+        pending = scheduler._block_id_to_pending_jobs
+        flush = scheduler._current_batch_jobs_to_flush
+        if pending and not pending.keys().isdisjoint(allocated):
+            flush.update(jid for bid in allocated if bid in pending for jid in pending[bid])
+        meta = metadata(
+            load_jobs=scheduler._current_batch_load_jobs,
+            store_jobs=scheduler._build_store_jobs(scheduler_output),
+            jobs_to_flush=flush,
+        )
+        scheduler._current_batch_load_jobs = {}
+        scheduler._current_batch_jobs_to_flush = set()
+        scheduler._current_batch_allocated_block_ids = set()
+        if not end_first:
+            manager.on_schedule_end(end)
+        return meta
+
+    scheduler.kvtier_quiet_steps = 0  # steps planned here (for tests)
+    setattr(scheduler, method, plan)
     return True
 
 
@@ -314,6 +417,7 @@ __all__ = [
     "has_worker_news",
     "plan_stores_for_candidates",
     "plans_stores",
+    "quiet_steps",
     "speed_up",
     "update_keys_when_new",
     "worker_meta_waiting",
