@@ -103,6 +103,8 @@ class MetricsEmitter:
         self.traffic = traffic  # the TrafficRecorder, if the traffic is recorded
         self._last: dict[tuple[str, tuple[str, ...]], float] = {}
         self._gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
+        # The host tier's usage gauges as last written (what a quiet step reports).
+        self._quiet_rows: tuple[tuple[str, Any], ...] = ()
         self._signed: tuple[Any, ...] | None = None
         self._pending: tuple[Any, ...] | None = None  # a signature quiet_gauges found new
         self._faults_seen: dict[str, int] = {}  # tier name -> its fault count at the last rows
@@ -124,7 +126,7 @@ class MetricsEmitter:
         if self.core.admission is not None:
             yield "counter", STORES_SKIPPED, 0, ()
 
-    def quiet_gauges(self) -> list[tuple[str, Any]] | None:
+    def quiet_gauges(self) -> tuple[tuple[str, Any], ...] | None:
         """When nothing changed since the last call (most engine steps): the gauges
         vLLM's manager reports every time, with their values, as :meth:`collect` would
         yield them (a zero counter adds nothing to vLLM's stats). Otherwise None, and
@@ -133,8 +135,7 @@ class MetricsEmitter:
         if signature != self._signed or self._samples_waiting():
             self._pending = signature
             return None
-        gauges = self._gauges
-        return [(name, gauges[(name, ())]) for name in ALWAYS_GAUGES]
+        return self._quiet_rows
 
     def collect_changed(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         """:meth:`collect` after :meth:`quiet_gauges` returned None."""
@@ -170,7 +171,12 @@ class MetricsEmitter:
     def _samples_waiting(self) -> bool:
         """Whether histogram samples wait to be emitted (taken as they are)."""
         core = self.core
-        return bool(core.counters.allocation_sizes) or any(f.has_delays for f in core.flows)
+        if core.counters.allocation_sizes:
+            return True
+        for flow in core.flows:  # noqa: SIM110 (no generator: asked every step)
+            if flow.has_delays:
+                return True
+        return False
 
     def _host_gauges(self) -> tuple[tuple[str, float], ...]:
         """The host tier's usage gauges (name, value), as vLLM's manager computes them."""
@@ -209,7 +215,8 @@ class MetricsEmitter:
         """The host tier's rows: its usage gauges (every time), allocation sizes, and
         its counters that moved."""
         gauges = self._gauges
-        for name, value in self._host_gauges():
+        rows = self._quiet_rows = self._host_gauges()
+        for name, value in rows:
             gauges[(name, ())] = value
             sink.set_gauge(name, value, ())
         for size in self.core.take_allocation_sizes():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vllm.v1.kv_offload import base as _base
@@ -141,7 +141,7 @@ def new_stats() -> Any:
     return _stats_class()()
 
 
-def gauge_stats(gauges: list[tuple[str, Any]]) -> Any:
+def gauge_stats(gauges: Iterable[tuple[str, Any]]) -> Any:
     """vLLM's ``OffloadingConnectorStats`` holding ``gauges`` (name, value; no labels)."""
     stats = new_stats()
     for name, value in gauges:
