@@ -157,7 +157,9 @@ class MetricsEmitter:
         if signature is None:
             signature = self._signature()
         signed, self._signed = self._signed, signature
-        self._write_host(sink, zero_skips)
+        # (Fields 2 on of the host tier's part are its counters' totals.)
+        counted = signed is None or signature[2:_HOST_FIELDS] != signed[2:_HOST_FIELDS]
+        self._write_host(sink, zero_skips, counted)
         if not self.tiering:
             return
         core = self.core
@@ -211,9 +213,10 @@ class MetricsEmitter:
             totals.append((CHUNK_HITS, (HOST_TIER,), c.host_hits))
         return totals
 
-    def _write_host(self, sink: StatsSink, zero_skips: bool) -> None:
+    def _write_host(self, sink: StatsSink, zero_skips: bool, counted: bool) -> None:
         """The host tier's rows: its usage gauges (every time), allocation sizes, and
-        its counters that moved."""
+        its counters that moved (none unless ``counted``: a total in the signature
+        moved)."""
         gauges = self._gauges
         rows = self._quiet_rows = self._host_gauges()
         for name, value in rows:
@@ -221,6 +224,10 @@ class MetricsEmitter:
             sink.set_gauge(name, value, ())
         for size in self.core.take_allocation_sizes():
             sink.observe_histogram(CPU_ALLOCATION_SIZE, size, ())
+        if not counted:
+            if zero_skips and self.core.admission is not None:
+                sink.increase_counter(STORES_SKIPPED, 0, ())
+            return
         for name, labels, total in self._host_totals():
             moved = self._counter(sink, name, labels, total)
             if not moved and zero_skips and name == STORES_SKIPPED:
@@ -321,7 +328,8 @@ class MetricsEmitter:
         core = self.core
         c, pool, admission = core.counters, core.pool, core.admission
         signature: tuple[Any, ...] = (
-            # Read by the host tier's rows alone (_HOST_FIELDS of them) ...
+            # Read by the host tier's rows alone (_HOST_FIELDS of them): its gauges'
+            # inputs, then the totals of its counters (_write reads them from 2 on) ...
             pool.num_storing,
             pool.num_read_pinned,
             c.host_queries,
