@@ -495,3 +495,20 @@ def test_a_job_whose_writes_do_not_all_fit_starts_the_first_ones(make_tier) -> N
     assert all(r.ok for r in wait_results(tier, 2))
     assert tier.has(key_digest(b"x")) and tier.has(key_digest(b"y"))
     assert not tier.has(key_digest(b"z"))
+
+
+def test_a_tier_with_nothing_to_take_in_says_so(make_tier) -> None:
+    """The manager skips a poll that would find nothing (asked every step): the tier
+    says it has news from the moment a result waits until a poll takes it."""
+    region = Region(2)
+    tier = make_tier(region)
+    tier.poll()
+    assert not tier.has_news
+    region.fill(0, 0, 3)
+    assert tier.submit_write(b"k", key_digest(b"k"), 0)
+    deadline = time.monotonic() + 20
+    while not tier.has_news and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert tier.has_news, "a finished write is news"
+    assert [r.op for r in tier.poll()] == ["write"]
+    assert not tier.has_news

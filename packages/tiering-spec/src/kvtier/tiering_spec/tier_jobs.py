@@ -105,11 +105,13 @@ class TierJobs:
     def poll(self) -> None:
         """Apply the secondary tiers' finished reads and writes to the host tier (each
         result labelled with its job; a job whose items are all back is over, the tier's
-        to count). Every tier is polled,
-        jobs in flight or not: a poll also takes in what the tier found on its own (a
-        start-up scan, files other engines wrote, probe answers)."""
+        to count). Every tier with news is polled, jobs in flight or not: a poll also
+        takes in what the tier found on its own (a start-up scan, files other engines
+        wrote, probe answers)."""
         pool = self.pool
         for idx, tier in enumerate(self.secondary_tiers):
+            if not getattr(tier, "has_news", True):
+                continue  # (most steps: nothing finished, nothing found)
             results = tier.results()
             written: dict[bytes, int] = {}  # write holds to end, ended together below
             try:

@@ -184,6 +184,13 @@ class SecondaryTier(ABC):
     def poll(self) -> list[TierResult]:
         """Jobs finished since the last call; the tier's index and counters follow."""
 
+    @property
+    def has_news(self) -> bool:
+        """Whether :meth:`poll` may hand back or take in anything now (a tier that can
+        tell it cannot answers False, and its manager skips the call: asked every
+        step)."""
+        return True
+
     @abstractmethod
     def touch(self, digests: Sequence[bytes]) -> None:
         """``digests`` were used (head first); unknown ones are ignored."""

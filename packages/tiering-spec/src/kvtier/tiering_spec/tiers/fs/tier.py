@@ -379,6 +379,17 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         self._submit("read", self._read_task, key, digest, block_id, views)
         return True
 
+    @property
+    def has_news(self) -> bool:
+        """A result, a scan's or a discovery's findings, or a capacity to regrow wait."""
+        return bool(
+            self._results
+            or self._scan_result
+            or self._scan_taking is not None
+            or self._disk.waiting
+            or (self._free_seen is not None and self._capacity.lowered)
+        )
+
     def poll(self) -> list[TierResult]:
         """Finished jobs since the last call; updates the index and counters."""
         if self._scan_result or self._scan_taking is not None:
