@@ -13,6 +13,7 @@ removal (``_unlink``). The arithmetic itself is in ``index`` (no I/O).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -118,36 +119,17 @@ class TierCapacity:
     def submit_write(self, key: bytes, digest: bytes, block_id: int) -> bool:
         """Write host block ``block_id`` (all ranks) as ``key``. False if not submitted:
         already present, no room under ``capacity_bytes``, or the region is not mapped."""
-        if (
-            digest in self._index
-            or digest in self._writing
-            or digest in self._unlinking
-            or self._closed
-        ):
-            return False
-        views = self._views_now()
-        if views is None:
+        started = self._submit_writes([(key, digest, block_id)])
+        if started is None:  # no room, or the region is not mapped
             self.stats.writes_dropped += 1
             return False
-        fits, reused = self._make_room(self.entry_bytes, reuse=1)
-        reuse = reused[0] if reused else None
-        if not fits:
-            self.stats.writes_dropped += 1
-            return False
-        self._index.reserved += self.entry_bytes
-        self._writing.add(digest)
-        if reuse is not None:
-            self._reusing[digest] = reuse
-        self._submit("write", self._write_task, key, digest, block_id, views, reuse)
-        return True
+        return started[0]
 
     def submit(self, job: TierJob) -> list[bool]:
         """A job's writes reserve their room together and go to the write threads in
         one task per thread (see :meth:`_submit_writes`); reads, and writes that do not
         all fit, start item by item (``SecondaryTier.submit``)."""
-        if job.op != "write" or len(job.items) < 2:
-            return super().submit(job)  # type: ignore[misc, no-any-return]
-        started = self._submit_writes(job.items)
+        started = None if job.op != "write" else self._submit_writes(job.items)
         if started is None:
             return super().submit(job)  # type: ignore[misc, no-any-return]
         book = self._job_book()
@@ -157,9 +139,11 @@ class TierCapacity:
         return started
 
     def _submit_writes(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool] | None:
-        """``submit_write`` of every item, with the room for all of them made at once
-        (the same entries evicted, the same files taken over, as item by item). None,
-        changing nothing, when they do not all fit: item by item, the first ones may."""
+        """Start the write of every item (key, digest, host block) not already indexed,
+        written or being removed, with the room for all of them made at once (the same
+        entries evicted, the same files taken over, as item by item): whether each
+        started. None, changing nothing, when they do not all fit or the region is not
+        mapped (item by item, the first ones may fit)."""
         if self._closed:
             return [False] * len(items)
         index, writing, unlinking = self._index, self._writing, self._unlinking
@@ -185,11 +169,11 @@ class TierCapacity:
             writing.difference_update(digest for _key, digest, _block in wanted)
             return None
         index.reserved += len(wanted) * self.entry_bytes
-        reuses: list[bytes | None] = [*reused, *[None] * (len(wanted) - len(reused))]
-        for (_key, digest, _block), reuse in zip(wanted, reuses):
+        # The first writes take over the evicted files ``reused`` names, one each.
+        writes = [(*item, reuse) for item, reuse in itertools.zip_longest(wanted, reused)]
+        for _key, digest, _block, reuse in writes:
             if reuse is not None:
                 self._reusing[digest] = reuse
-        writes = [(*item, reuse) for item, reuse in zip(wanted, reuses)]
         self._inflight += len(writes)
         threads = max(1, min(self.cfg.n_write_threads, len(writes)))
         per = -(-len(writes) // threads)

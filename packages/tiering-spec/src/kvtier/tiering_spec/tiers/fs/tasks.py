@@ -108,8 +108,8 @@ class BlockFileTasks:
         self, writes: Sequence[tuple[bytes, bytes, int, bytes | None]], views: Sequence[memoryview]
     ) -> None:
         """``_write_task`` of each (key, digest, host block, file to take over): the
-        share of one job's writes that one write thread takes (``submit``). Every item
-        hands a result to ``poll``, whatever the items before it met."""
+        share of one job's writes that one write thread takes (``_submit_writes``).
+        Every item hands a result to ``poll``, whatever the items before it met."""
         for key, digest, block_id, reuse in writes:
             t0 = time.perf_counter()
             try:
