@@ -185,40 +185,40 @@ class SyncLoads:
 
         return update_state_after_alloc
 
+    def _hide_jobs(self) -> list[tuple[int, str, Any]]:
+        """Forget the synchronous load jobs vLLM saw completed, and take the others out
+        of their requests' pending jobs: vLLM 0.32 plans stores (and flushes preempted
+        requests' jobs) only for a request whose pending jobs are all stores, and a
+        synchronous load is done before this step's forward pass. Returns (job, request,
+        its state) of each job taken out, to put back once the step is planned."""
+        jobs: dict[int, Any] = self.scheduler._jobs
+        statuses: dict[str, Any] = self.scheduler._req_status
+        self.jobs = {j for j in self.jobs if j in jobs}
+        hidden: list[tuple[int, str, Any]] = []
+        for job_id in self.jobs:
+            req_id = jobs[job_id].req_id
+            status = statuses.get(req_id)
+            if status is not None and job_id in status.transfer_jobs:
+                status.transfer_jobs.discard(job_id)
+                hidden.append((job_id, req_id, status))
+        return hidden
+
     def planned(self, build: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def build_connector_meta(scheduler_output: Any) -> Any:
-            if not self.jobs:  # no synchronous load pending (most steps): nothing to hide
-                try:
-                    meta = build(scheduler_output)
-                finally:
-                    self.step_bytes = 0
-                    if self.step_reqs:
-                        self.step_reqs.clear()
-                setattr(meta, META_FIELD, _NO_JOBS)
-                return meta
-            scheduler = self.scheduler
-            jobs: dict[int, Any] = scheduler._jobs
-            statuses: dict[str, Any] = scheduler._req_status
-            self.jobs = {j for j in self.jobs if j in jobs}
-            # vLLM 0.32 plans stores (and flushes preempted requests' jobs) only for a
-            # request whose pending jobs are all stores: a synchronous load is done
-            # before this step's forward pass, so it is kept out of vLLM's sight here.
-            hidden: list[tuple[int, str, Any]] = []
-            for job_id in self.jobs:
-                req_id = jobs[job_id].req_id
-                status = statuses.get(req_id)
-                if status is not None and job_id in status.transfer_jobs:
-                    status.transfer_jobs.discard(job_id)
-                    hidden.append((job_id, req_id, status))
+            # (Most steps have no synchronous load pending: nothing to hide.)
+            hidden = self._hide_jobs() if self.jobs else ()
             try:
                 meta = build(scheduler_output)
             finally:
                 for job_id, req_id, status in hidden:
                     status.transfer_jobs.add(job_id)
                     # vLLM forgets a finished request without jobs; this one has one.
-                    statuses.setdefault(req_id, status)
+                    self.scheduler._req_status.setdefault(req_id, status)
                 self.step_bytes = 0
                 self.step_reqs.clear()
+            if not self.jobs:
+                setattr(meta, META_FIELD, _NO_JOBS)
+                return meta
             load_jobs = getattr(meta, "load_jobs", None) or {}
             setattr(meta, META_FIELD, frozenset(j for j in load_jobs if j in self.jobs))
             return meta
