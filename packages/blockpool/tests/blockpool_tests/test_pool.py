@@ -383,6 +383,51 @@ def test_a_failed_hold_or_release_changes_nothing() -> None:
     with pytest.raises(RuntimeError):
         pool.release([k(0), k(0)], Hold.PROMOTION)  # held once, released twice
     assert pool.holds(k(0), Hold.PROMOTION) == 1 and pool.stats().read_pinned == 1
+    stored(pool, [k(1), k(2)])
+    pool.hold([k(1)], Hold.PROMOTION)
+    with pytest.raises(RuntimeError):
+        pool.release([k(0), k(1), k(2)], Hold.PROMOTION)  # k(2) is not held
+    assert [pool.holds(x, Hold.PROMOTION) for x in (k(0), k(1), k(2))] == [1, 1, 0]
+    assert [pool.pins(x) for x in (k(0), k(1), k(2))] == [1, 1, 0]
+    pool.release([k(1), k(0)], Hold.PROMOTION)  # each named once: all at once
+    assert pool.held(Hold.PROMOTION) == 0 and pool.stats().read_pinned == 0
+    pool.check_invariants()
+
+
+def test_keys_an_eviction_passed_over_are_evictable_once_released_together() -> None:
+    """Frecency parks the pinned keys an eviction passes over until a key may have
+    become evictable: a hold's release on several keys at once says so, and the next
+    eviction chooses what a pool that scans every key chooses."""
+    parked, scanned = HostBlockPool(4), HostBlockPool(4)
+    scanned._frecency = None
+    chosen = []
+    for pool in (parked, scanned):
+        stored(pool, [k(0), k(1), k(2), k(3)])
+        pool.hold([k(2), k(3)], Hold.DEVICE_LOAD)  # (a prefix's tail goes first)
+        first = pool.prepare_store([k(4)])  # passes over k(3) and k(2)
+        assert first is not None and first.evicted == [k(1)]
+        pool.release([k(2), k(3)], Hold.DEVICE_LOAD)
+        plan = pool.prepare_store([k(5)])
+        assert plan is not None
+        chosen.append(plan.evicted)
+        pool.complete_store([k(4), k(5)])
+        pool.check_invariants()
+    assert chosen[0] == chosen[1] and set(chosen[0]) & {k(2), k(3)}
+
+
+def test_release_of_storing_and_cached_keys_together() -> None:
+    """A late read's hold on a key still storing and on cached keys ends in one call:
+    the storing key stays storing, the cached ones are evictable again."""
+    pool = HostBlockPool(4)
+    stored(pool, [k(0), k(1)])
+    plan = pool.prepare_store([k(2)])
+    assert plan is not None
+    pool.hold([k(0), k(2), k(1)], Hold.LATE_READ)
+    assert pool.stats().read_pinned == 2
+    pool.release([k(0), k(2), k(1)], Hold.LATE_READ)
+    assert pool.held(Hold.LATE_READ) == 0 and pool.stats().read_pinned == 0
+    assert pool.is_storing(k(2))
+    pool.complete_store([k(2)])
     pool.check_invariants()
 
 

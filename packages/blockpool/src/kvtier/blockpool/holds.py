@@ -114,8 +114,17 @@ class PoolHolds:
             raise KeyError(f"cannot hold key {exc.args[0]!r}: it is not cached") from None
         pins = self._pins
         get = pins.get
+        if kind is None:  # a load: pins only
+            if min(blocks, default=0) < 0:
+                key = next(k for k, b in zip(keys, blocks) if b < 0)
+                raise KeyError(f"cannot hold key {key!r} to read it: it is being stored")
+            for key in keys:
+                pins[key] = get(key, 0) + 1
+            return blocks
+        held = self._holds[kind]
+        held_get = held.get
         if min(blocks, default=0) < 0:
-            if kind is None or not kind.fills:
+            if not kind.fills:
                 key = next(k for k, b in zip(keys, blocks) if b < 0)
                 raise KeyError(f"cannot hold key {key!r} to read it: it is being stored")
             storing = self._storing_holds
@@ -124,15 +133,13 @@ class PoolHolds:
                     storing[key] = storing.get(key, 0) + 1
                 else:
                     pins[key] = get(key, 0) + 1
+                held[key] = held_get(key, 0) + 1
             blocks = [~b if b < 0 else b for b in blocks]
-        else:
+        else:  # (most calls: every key cached) pin and hold in one pass
             for key in keys:
                 pins[key] = get(key, 0) + 1
-        if kind is not None:
-            held = self._holds[kind]
-            for key in keys:
-                held[key] = held.get(key, 0) + 1
-            self._hold_counts[kind] += len(keys)
+                held[key] = held_get(key, 0) + 1
+        self._hold_counts[kind] += len(keys)
         return blocks
 
     def release(self, keys: Sequence[Hashable], kind: Hold | None = None) -> None:
@@ -145,13 +152,50 @@ class PoolHolds:
             self._unpin(keys)
             return
         held = self._holds[kind]
+        storing = self._storing_holds
+        if len(keys) == 1:
+            key = keys[0]
+            count = held.get(key, 0)
+            if count and not (storing and key in storing):
+                if count == 1:
+                    del held[key]
+                else:
+                    held[key] = count - 1
+                self._hold_counts[kind] -= 1
+                self._unpin(keys)
+                return
+        else:
+            unique = set(keys)
+            # The common case (a load's or a write's keys, each named once, none of them
+            # storing): checked at C speed, then one pass (a held key's count is >= 1).
+            if (
+                len(unique) == len(keys)
+                and held.keys() >= unique
+                and (not storing or storing.keys().isdisjoint(unique))
+            ):
+                pins = self._pins
+                released = 0
+                for key in keys:
+                    count = pins[key]  # (a hold pins its key)
+                    if count == 1:
+                        del pins[key]
+                        released += 1
+                    else:
+                        pins[key] = count - 1
+                    count = held[key]
+                    if count == 1:
+                        del held[key]
+                    else:
+                        held[key] = count - 1
+                self._released += released
+                self._hold_counts[kind] -= len(keys)
+                return
         wanted: dict[Any, int] = {}
         for key in keys:
             wanted[key] = wanted.get(key, 0) + 1
         for key, n in wanted.items():
             if held.get(key, 0) < n:
                 raise RuntimeError(f"release of a {kind.value} hold on {key!r}, which it lacks")
-        storing = self._storing_holds
         if storing and any(key in storing for key in wanted):
             table = self._keys  # a held key stays in it (pinned, or storing)
             for key, n in wanted.items():
