@@ -209,6 +209,26 @@ def test_reset_discards_what_a_request_noted_before_it(model: Path) -> None:
     mgr.shutdown()
 
 
+def test_a_key_a_request_stored_and_read_back_is_not_its_reuse(model: Path) -> None:
+    # A request that loads back a key it stored (a cascade between tiers) did not reuse
+    # it; a key another request stored, which it loads, it did.
+    mgr = manager(model, 4, "arc", events=False)
+    own, other = keys([1, 2])
+    writer = base.ReqContext(req_id="writer")
+    assert mgr.prepare_store([other], writer) is not None
+    mgr.complete_store([other], writer)
+    mgr.on_request_finished(writer)
+    ctx = base.ReqContext(req_id="cascade")
+    assert mgr.prepare_store([own], ctx) is not None
+    mgr.complete_store([own], ctx)
+    mgr.prepare_load([own, other], ctx)
+    mgr.complete_load([own, other], ctx)
+    mgr.on_request_finished(ctx)
+    arc = mgr.core.pool.policy
+    assert list(arc.t2) == [other] and list(arc.t1) == [own]
+    mgr.shutdown()
+
+
 def test_lookup_answers_are_lookups_taken_lazily(model: Path) -> None:
     # What kvtier-vllm-port's sliding-window scan asks of kvtier's manager.
     mgr = manager(model, 4, events=False)

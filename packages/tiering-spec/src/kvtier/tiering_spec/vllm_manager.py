@@ -46,13 +46,15 @@ class _RequestReuse:
     def note(self, keys: Iterable[OffloadKey], *, reused: bool) -> None:
         """Record ``keys`` as reused by the request, or as stored by it. Reading back
         a key the request stored (a cascade between tiers) is not a reuse."""
-        seen, stored = self.keys, self.stored
-        for key in keys:
-            seen.setdefault(key, None)
-            if not reused:
-                stored.add(key)
-            elif key not in stored:
-                self.reused.add(key)
+        keys = list(keys)
+        # (dict.update keeps a key seen before where it was, as setdefault does.)
+        self.keys.update(dict.fromkeys(keys))
+        if not reused:
+            self.stored.update(keys)
+        elif self.stored:
+            self.reused.update(set(keys) - self.stored)
+        else:
+            self.reused.update(keys)
 
 
 class _RequestTiers:
