@@ -4,10 +4,12 @@
 and the key updates that find no new hash, and plans a quiet step (nothing admitted,
 loaded, preempted or finished) without vLLM's event handling;
 :mod:`kvtier.vllm_port.lookups` looks a prefix up in one call and answers a one-tier
-hit's sources at once. Here a real engine
+hit's sources at once; :mod:`kvtier.vllm_port.lookup_memo` answers a waiting request's
+lookup again when nothing it read changed. Here a real engine
 runs a workload with prefix reuse, preemptions and stores during decode twice, with and
 without them, and every step's connector metadata (store and load jobs with their
-blocks, jobs to flush) and every hit's split by tier must be the same.
+blocks, jobs to flush), every hit's split by tier and the lookup counters must be the
+same.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ pytest.importorskip("vllm")
 
 from kvtier.testkit import Workload, free_llm, make_llm, run_workload  # noqa: E402
 from kvtier.testkit.engine import kv_connector_of  # noqa: E402
-from kvtier.vllm_port import lookups, store_planning  # noqa: E402
+from kvtier.vllm_port import lookup_memo, lookups, store_planning  # noqa: E402
 
 # 4 requests of 160 prompt tokens decoding 48 tokens each need 28 blocks; 16 preempt.
 TIGHT = {**ENGINE, "max_num_seqs": 4, "num_gpu_blocks_override": 16}
@@ -53,8 +55,11 @@ def _jobs(jobs: Any) -> dict[int, tuple[str, list[int], list[int]]]:
     }
 
 
-def _plans(model: Path, prompt_only: bool) -> tuple[list[Any], list[list[int]], bool]:
-    """Every step's metadata of one run, its outputs, and whether kvtier's steps ran."""
+def _plans(
+    model: Path, prompt_only: bool
+) -> tuple[list[Any], list[list[int]], bool, tuple[int, int]]:
+    """Every step's metadata of one run, its outputs, whether kvtier's steps ran, and
+    the host tier's lookup counters (queries, hits)."""
     kv = offload_config("CPUOffloadingSpec", host_chunks=256)
     kv["kv_connector_extra_config"]["offload_prompt_only"] = prompt_only
     llm = make_llm(model, **TIGHT, kv_transfer_config=testkit.kv_transfer_config(kv))
@@ -88,26 +93,33 @@ def _plans(model: Path, prompt_only: bool) -> tuple[list[Any], list[list[int]], 
         one_call = "_maximal_prefix_lookup" in vars(scheduler)
         result = run_workload(llm, WORKLOAD)
         quiet = getattr(scheduler, "kvtier_quiet_steps", None)
+        repeated = getattr(scheduler, "kvtier_repeated_lookups", None)
+        counters = scheduler.manager.core.counters
+        counts = (counters.host_queries, counters.host_hits)
     finally:
         free_llm(llm)
     assert result.preemptions > 0, "the workload must preempt"
     if quick and quiet is not None:
         # Most steps plan nothing but the running requests' keys: kvtier's quiet path.
         assert 0 < quiet < len([s for s in steps if s[0] != "sources"]), quiet
-    return steps, result.outputs, quick and one_call
+    if quick and repeated is not None:
+        # Preempted requests wait for room: vLLM asks about them again each step.
+        assert repeated > 0, "no lookup was answered again"
+    return steps, result.outputs, quick and one_call, counts
 
 
 @pytest.mark.parametrize("prompt_only", [True, False], ids=["prompt-only", "decode-stores"])
 def test_quick_steps_plan_what_vllm_plans(
     model: Path, prompt_only: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    quick_steps, quick_out, applied = _plans(model, prompt_only)
+    quick_steps, quick_out, applied, quick_counts = _plans(model, prompt_only)
     if not applied:
         pytest.skip("this vLLM's offloading scheduler is not the shape kvtier speeds up")
     with monkeypatch.context() as mp:
         mp.setattr(store_planning, "speed_up", lambda scheduler: False)
         mp.setattr(lookups, "speed_up", lambda scheduler: (False, False))
-        vllm_steps, vllm_out, applied_again = _plans(model, prompt_only)
+        mp.setattr(lookup_memo, "install", lambda scheduler: False)
+        vllm_steps, vllm_out, applied_again, vllm_counts = _plans(model, prompt_only)
     assert not applied_again
     plans = [step for step in vllm_steps if step[0] != "sources"]
     assert any(stores for stores, _, _ in plans), "the workload must store"
@@ -117,3 +129,4 @@ def test_quick_steps_plan_what_vllm_plans(
     for step, (quick, vllm) in enumerate(zip(quick_steps, vllm_steps)):
         assert quick == vllm, f"step {step}: kvtier planned {quick}, vLLM {vllm}"
     assert quick_out == vllm_out
+    assert quick_counts == vllm_counts, "lookups answered again must count as asked"

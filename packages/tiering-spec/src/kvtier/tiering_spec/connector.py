@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
 from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
-from kvtier.vllm_port import connector_reads, lookups, store_planning, sync_loads
+from kvtier.vllm_port import connector_reads, lookup_memo, lookups, store_planning, sync_loads
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -128,6 +128,9 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
             # key; kvtier's manager answers a prefix in one call.
             lookups.speed_up(scheduler)
             lookups.sliding_window_scans(scheduler)  # (hybrid models' window groups)
+            # vLLM asks about the head of its waiting queue every step until it fits;
+            # what nothing changed for is answered again from the last answer.
+            lookup_memo.install(scheduler)
             # Hits within the step's budget load before its forward pass (vLLM 0.33
             # does it itself; this is the same for 0.32).
             offload = manager.side.offload

@@ -1,0 +1,110 @@
+"""A waiting request's lookup answered again from its last answer, when nothing it
+read has changed.
+
+vLLM's scheduler asks the connector about the request at the head of its waiting queue
+on every step until it can admit it (``get_num_new_matched_tokens``), and gives up on
+the step when the device has no room for it. Under memory pressure, with preempted
+requests waiting for room, that is a large share of all steps (about a third in the
+``preempt-8`` workload of ``bench-step``), and each ask walks the request's offload keys
+again and asks the manager about them (vLLM's ``_lookup``), though neither the request
+nor the manager's cache changed since the last ask.
+
+:func:`install` puts a memo in front of vLLM's ``_lookup`` on one scheduler instance.
+The answer is taken from the memo, and the counters the manager's lookup moves are
+moved again (the same metrics as asking), when all of these are as they were after the
+last ask for the same request:
+
+* the request's state object, the tokens it has and has computed on the device, the
+  cap on new tokens asked with, its cap on tokens to load and its count of offload keys
+  per KV cache group (vLLM's lookup reads nothing else of the request);
+* the manager's answer to ``lookup_state()``, a value that is equal exactly when its
+  lookups answer the same (kvtier's host tier: the pool and its count of key changes).
+  A manager that answers None (a secondary tier, whose lookups start promotions and
+  probes) is asked every time, and so is one without the method.
+
+vLLM's lookup is called as before when its hit chunks may be loading
+(``_chunks_being_loaded``), when its events tracker records lookups (self-describing KV
+events), and whenever the last answer was "ask again later" (None). It is installed only
+where vLLM's ``_lookup`` takes ``(req_status, max_num_new_tokens)``, the model has no
+sliding-window groups and no partial recurrent tails (where ``_lookup`` reads more).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+_PARAMS = ["self", "req_status", "max_num_new_tokens"]
+# Requests remembered at once: the waiting queue's head is one request; more only
+# when vLLM asks about several in one step. Beyond, the memo starts over.
+MAX_MEMOS = 256
+
+
+def _params(method: Any) -> list[str] | None:
+    try:
+        return list(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def install(scheduler: Any) -> bool:
+    """Put the memo (see the module) in front of ``scheduler._lookup``; whether it was
+    installed."""
+    cls = type(scheduler)
+    manager = getattr(scheduler, "manager", None)
+    state = getattr(manager, "lookup_state", None)
+    recount = getattr(manager, "recount_lookups", None)
+    method = getattr(cls, "_lookup", None)
+    if (
+        not callable(state)
+        or not callable(recount)
+        or not callable(method)
+        or _params(method) != _PARAMS
+        or getattr(scheduler, "_sliding_window_groups", None) != ()
+        or getattr(getattr(scheduler, "config", None), "supports_partial_tail", None) is not False
+        or not hasattr(scheduler, "_chunks_being_loaded")
+    ):
+        return False
+    vllm_lookup = scheduler._lookup
+    tracker = getattr(scheduler, "_events_tracker", None)
+    # request id -> (its state object, what the lookup read, the answer, counter moves)
+    memos: dict[str, tuple[Any, tuple[Any, ...], int, tuple[int, ...]]] = {}
+
+    def _lookup(req_status: Any, max_num_new_tokens: int | None = None) -> int | None:
+        if scheduler._chunks_being_loaded or getattr(tracker, "self_describing_enabled", True):
+            return vllm_lookup(req_status, max_num_new_tokens)
+        before = state()
+        if before is None:
+            return vllm_lookup(req_status, max_num_new_tokens)
+        version, counts = before
+        req = req_status.req
+        read = (
+            max_num_new_tokens,
+            req_status.num_locally_computed_tokens,
+            req.num_tokens,
+            req_status.max_load_tokens,
+            [len(group.offload_keys) for group in req_status.group_states],
+            version,
+        )
+        req_id = req.request_id
+        memo = memos.get(req_id)
+        if memo is not None and memo[0] is req_status and memo[1] == read:
+            recount(memo[3])
+            req_status.partial_tail_boundary = None  # (as vLLM's sets it without tails)
+            scheduler.kvtier_repeated_lookups += 1
+            return memo[2]
+        hit = vllm_lookup(req_status, max_num_new_tokens)
+        after = state()
+        if hit is None or after is None:
+            memos.pop(req_id, None)  # pending: ask again
+            return hit
+        # (A lookup that changed the cache, a promotion, left another state: the next
+        # ask reads that one and goes to vLLM's lookup.)
+        if len(memos) >= MAX_MEMOS:
+            memos.clear()
+        memos[req_id] = (req_status, read, hit, tuple(a - b for a, b in zip(after[1], counts)))
+        return hit
+
+    scheduler._lookup = _lookup
+    scheduler.kvtier_repeated_lookups = 0  # lookups answered from the memo (for tests)
+    return True
