@@ -518,6 +518,101 @@ def test_stats_written_directly_hold_what_the_rows_say(tiering: bool) -> None:
         assert a == b, f"step {step} ({ops[step][0]}): {a} != {b}"
 
 
+def _totals(steps: list[dict[tuple[str, str, tuple[str, ...]], Any]]) -> dict[Any, Any]:
+    """Counters summed and histogram samples gathered over ``steps`` (sorted)."""
+    out: dict[Any, Any] = {}
+    for held in steps:
+        for (kind, name, labels), value in held.items():
+            if kind == "counter":
+                out[(name, labels)] = out.get((name, labels), 0) + value
+            elif kind == "histogram":
+                out.setdefault((name, labels), []).extend(value)
+    return {k: sorted(v) if isinstance(v, list) else v for k, v in out.items() if v}
+
+
+@pytest.mark.parametrize("tiering", [False, True])
+def test_lookups_alone_wait_for_later_stats_and_nothing_is_lost(tiering: bool) -> None:
+    """``quiet_gauges(defer=True)`` (the vLLM manager's get_stats) leaves a change in
+    lookups alone for a later step: every step's gauges are those of every row
+    computed every step, and the counters and samples of the whole run are the same."""
+    keys = [bytes([i]) for i in range(10)]
+    rng = random.Random(5)
+    # Mostly lookups (a waiting request asked about every step), some stores and loads.
+    ops = [
+        (-1 if rng.random() < 0.7 else rng.randrange(5), rng.sample(keys, rng.randint(1, 3)),
+         rng.random())
+        for _ in range(400)
+    ]  # fmt: skip
+
+    def run(defer: bool) -> tuple[list[dict[Any, Any]], int]:
+        ticks = itertools.count()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(time, "perf_counter", lambda: next(ticks) * 1e-6)
+            tier = CountingTier()
+            mgr = TierManager(HostBlockPool(6), [tier] if tiering else [])
+            em = metrics_emitter.MetricsEmitter(mgr, tiering=tiering)
+            out, deferred = [], 0
+            for i, (op, some, p) in enumerate(ops):
+                if op < 0:
+                    for key in some:
+                        mgr.lookup(key, f"waiting-{i % 3}")
+                    tier.stats.queries += 1  # (a tier's lookups count too)
+                    tier.stats.hits += p < 0.5
+                else:
+                    random_step(mgr, op, some, p, other_size=8)
+                    if p < 0.3:  # a tier's write finished: a gauge and counters move
+                        tier.used_bytes += 4096
+                        tier.stats.write_bytes += 4096
+                mgr.end_step()
+                if i == len(ops) - 1:
+                    em.emit_next()  # (the last request finished)
+                sink = RecordingSink()
+                gauges = em.quiet_gauges(defer=defer)
+                if gauges is None:
+                    em.write_changed(sink)
+                else:
+                    deferred += em._signature() != em._signed or em._samples_waiting()
+                    for name, value in gauges:
+                        sink.set_gauge(name, value)
+                out.append(sink.held)
+            return out, deferred
+
+    later, deferred = run(True)
+    now, none = run(False)
+    assert deferred > 50 and none == 0
+    assert _totals(later) == _totals(now)
+    for step, (a, b) in enumerate(zip(later, now)):
+        gauges_a = {k: v for k, v in a.items() if k[0] == "gauge"}
+        gauges_b = {k: v for k, v in b.items() if k[0] == "gauge"}
+        assert gauges_a == gauges_b, f"step {step}"
+    # No change waits more than MAX_DEFERRED_STEPS steps.
+    quiet = 0
+    for held in later:
+        quiet = 0 if any(k[0] != "gauge" for k in held) else quiet + 1
+        assert quiet <= metrics_emitter.MAX_DEFERRED_STEPS + 8
+
+
+def test_a_store_or_a_finished_request_writes_what_lookups_left() -> None:
+    mgr = TierManager(HostBlockPool(4), [])
+    em = metrics_emitter.MetricsEmitter(mgr, tiering=False)
+    assert em.quiet_gauges(defer=True) is None  # (the first call writes everything)
+    em.write_changed(RecordingSink())
+    mgr.lookup(b"a", "r")
+    assert em.quiet_gauges(defer=True) is not None, "a lookup alone waits"
+    em.emit_next()
+    assert em.quiet_gauges(defer=True) is None
+    sink = RecordingSink()
+    em.write_changed(sink)
+    assert sink.held[("counter", metrics.HOST_QUERIES, ())] == 1
+    mgr.lookup(b"a", "r")
+    assert em.quiet_gauges(defer=True) is not None
+    mgr.prepare_store([b"a"])  # a store starts: the write gauge moves
+    assert em.quiet_gauges(defer=True) is None
+    sink = RecordingSink()
+    em.write_changed(sink)
+    assert sink.held[("counter", metrics.HOST_QUERIES, ())] == 1
+
+
 def test_stores_skipped_is_emitted_only_with_a_filter_and_survives_a_reset() -> None:
     assert metrics.STORES_SKIPPED not in {
         n

@@ -372,8 +372,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
 
     def _finished(self, request: Any) -> None:
         manager = self._kvtier_manager
-        if manager is not None and manager.side.traffic is not None:
-            manager.side.traffic.finish(request.request_id, request.num_output_tokens)
+        if manager is not None:
+            manager.emit_metrics_next()
+            if manager.side.traffic is not None:
+                manager.side.traffic.finish(request.request_id, request.num_output_tokens)
 
     # vLLM calls one of the two (the second for a connector that supports hybrid models).
     def request_finished(self, request: Any, *args: Any, **kwargs: Any) -> Any:

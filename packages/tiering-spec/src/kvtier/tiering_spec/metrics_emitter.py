@@ -52,6 +52,12 @@ ALWAYS_GAUGES = (CPU_CACHE_USAGE_PERC, CPU_CACHE_WRITE_USAGE_PERC, CPU_CACHE_REA
 # from _TIERS on, one field per secondary tier (what its rows alone read).
 _HOST_FIELDS = 8
 _TIERS = _HOST_FIELDS + 2
+# Of the signature, the fields lookups move: the host tier's queries and hits (2, 3)
+# and, in a secondary tier's part, its queries and hits (3, 4).
+_HOST_LOOKUPS = (2, 4)
+_TIER_LOOKUPS = (3, 5)
+# Engine steps a change in lookups alone may wait before its rows are written.
+MAX_DEFERRED_STEPS = 32
 
 
 class StatsSink(Protocol):
@@ -108,6 +114,7 @@ class MetricsEmitter:
         self._signed: tuple[Any, ...] | None = None
         self._pending: tuple[Any, ...] | None = None  # a signature quiet_gauges found new
         self._faults_seen: dict[str, int] = {}  # tier name -> its fault count at the last rows
+        self._deferred = 0  # calls that left a change in lookups alone for later
 
     def collect(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         """(kind, name, value, label values) of what changed since the last call: counters
@@ -126,16 +133,38 @@ class MetricsEmitter:
         if self.core.admission is not None:
             yield "counter", STORES_SKIPPED, 0, ()
 
-    def quiet_gauges(self) -> tuple[tuple[str, Any], ...] | None:
+    def quiet_gauges(self, *, defer: bool = False) -> tuple[tuple[str, Any], ...] | None:
         """When nothing changed since the last call (most engine steps): the gauges
         vLLM's manager reports every time, with their values, as :meth:`collect` would
         yield them (a zero counter adds nothing to vLLM's stats). Otherwise None, and
-        :meth:`collect_changed` yields what changed."""
+        :meth:`collect_changed` yields what changed.
+
+        With ``defer``, a change in lookups alone (the tiers' query and hit counters and
+        lookup delays: vLLM asks about a waiting request every step until it has room)
+        is left for a later call, at most ``MAX_DEFERRED_STEPS`` calls and never past a
+        call after :meth:`emit_next`: the gauges are the same, and the counters are
+        written as totals' increments, so nothing is lost."""
         signature = self._signature()
-        if signature != self._signed or self._samples_waiting():
-            self._pending = signature
-            return None
-        return self._quiet_rows
+        signed = self._signed
+        same = signature == signed
+        if same and not self._samples_waiting():
+            return self._quiet_rows
+        if (
+            defer
+            and self._deferred < MAX_DEFERRED_STEPS
+            and signed is not None
+            and not self.core.counters.allocation_sizes
+            and (same or _lookups_only(signature, signed))
+        ):
+            self._deferred += 1
+            return self._quiet_rows
+        self._pending = signature
+        return None
+
+    def emit_next(self) -> None:
+        """Have the next :meth:`quiet_gauges` write whatever waits (a request finished:
+        the engine may stop stepping soon)."""
+        self._deferred = MAX_DEFERRED_STEPS
 
     def collect_changed(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         """:meth:`collect` after :meth:`quiet_gauges` returned None."""
@@ -154,6 +183,7 @@ class MetricsEmitter:
         that store or admit move the host tier's alone). ``zero_skips``: the
         stores-skipped counter even when it did not move (:meth:`collect`'s rows)."""
         signature, self._pending = self._pending, None
+        self._deferred = 0
         if signature is None:
             signature = self._signature()
         signed, self._signed = self._signed, signature
@@ -364,3 +394,15 @@ class MetricsEmitter:
                 ),
             )
         return signature
+
+
+def _lookups_only(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
+    """Whether signature ``now`` differs from ``then`` in lookup fields alone."""
+    a, b = _HOST_LOOKUPS
+    if now[:a] != then[:a] or now[b:_TIERS] != then[b:_TIERS]:
+        return False
+    a, b = _TIER_LOOKUPS
+    for tier_now, tier_then in zip(now[_TIERS:], then[_TIERS:]):
+        if tier_now[:a] != tier_then[:a] or tier_now[b:] != tier_then[b:]:
+            return False
+    return True

@@ -251,6 +251,7 @@ class KvtierOffloadingManager(OffloadingManager):
         """Order every key the request stored or reused so that its prefix's tail goes
         first and its head last (as vLLM 0.32 does); only reused keys count as a use."""
         self.core.forget_ahead(req_context.req_id)
+        self._metrics.emit_next()
         if not compat.PORT.keeps_request_state(req_context):
             return
         state = compat.PORT.request_state(req_context, _RequestReuse)
@@ -352,7 +353,13 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self._resets += 1
+        self._metrics.emit_next()
         self.core.reset(self.side.new_pool())
+
+    def emit_metrics_next(self) -> None:
+        """A request finished (the connector sees it before vLLM's scheduler tells the
+        manager): the next stats carry every change, lookups' too."""
+        self._metrics.emit_next()
 
     def collect_metrics(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         """(kind, name, value, label values) of kvtier's metrics since the last call."""
@@ -360,7 +367,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def get_stats(self) -> Any:
         metrics = self._metrics
-        quiet = metrics.quiet_gauges()
+        quiet = metrics.quiet_gauges(defer=True)
         if quiet is not None:  # most steps: only the gauges vLLM's manager always sends
             return compat.gauge_stats(quiet)
         stats = compat.new_stats()
