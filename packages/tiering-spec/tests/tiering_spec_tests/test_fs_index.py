@@ -1,5 +1,6 @@
 """The fs tier's index alone, driven by random operations: its bytes always add up,
-it never evicts an entry in use, a refused ``make_room`` changes nothing, and with
+its change count moves whenever its digests do, it never evicts an entry in use, a
+refused ``make_room`` changes nothing, and with
 ``lru`` it evicts in the order a plain model of LRU gives."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.index = FsIndex(ENTRY, self.policy, self.capacity // ENTRY)
         self.model: OrderedDict[bytes, None] = OrderedDict()  # oldest first
         self.busy: set[bytes] = set()
+        self.last: tuple[int, set[bytes]] = (self.index.changes, set())
 
     @rule(digest=DIGEST)
     def write(self, digest: bytes) -> None:
@@ -85,6 +87,13 @@ class IndexMachine(RuleBasedStateMachine):
             assert victims == expected, "not the least recently used"
         for victim in victims:
             self.model.pop(victim)
+
+    @invariant()
+    def equal_change_counts_hold_the_same_digests(self) -> None:
+        changes, digests = self.last
+        if self.index.changes == changes:
+            assert set(self.index) == digests, "the digests changed, the count did not"
+        self.last = (self.index.changes, set(self.index))
 
     @invariant()
     def bytes_add_up(self) -> None:

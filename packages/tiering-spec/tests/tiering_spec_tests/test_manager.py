@@ -1058,3 +1058,47 @@ def test_lookup_async_delay_runs_from_the_first_retry_to_the_answer() -> None:
     sink = RecordingSink()
     metrics_emitter.write_rows(em.collect(), sink)
     assert not any(k[0] == "histogram" for k in sink.held)
+
+
+def test_lookups_asked_again_answer_and_count_as_the_version_says(make_tier) -> None:
+    """``lookup_version`` is equal exactly while lookups answer the same, and
+    ``recount_lookups`` with the counts one lookup moved counts what asking again
+    counts (kvtier-vllm-port's lookup memo answers a waiting request so)."""
+    mgr = fs_only(make_tier, 4, [b"f0", b"f1"])
+    prefix = [b"filler0", b"filler1", b"nowhere"]  # two host hits, then a miss
+
+    def ask() -> tuple[tuple[int, list[bool] | None], tuple[int, ...]]:
+        before = mgr.lookup_counts()
+        answer = mgr.lookup_prefix(prefix, "waiting")
+        return answer, tuple(a - b for a, b in zip(mgr.lookup_counts(), before))
+
+    version = mgr.lookup_version()
+    assert version is not None
+    first, moves = ask()
+    assert first == (2, None) and moves == (3, 2, 1, 0, 1), "3 host asks, 1 fs ask"
+    assert mgr.lookup_version() == version, "a lookup that promotes nothing changes nothing"
+    mgr.end_step()
+    again, moved_again = ask()
+    assert (again, moved_again) == (first, moves)
+    delays = len(mgr.flows[0].sync_delays)
+    before = mgr.lookup_counts()
+    mgr.recount_lookups(moves)
+    assert tuple(a - b for a, b in zip(mgr.lookup_counts(), before)) == moves
+    assert len(mgr.flows[0].sync_delays) == delays + 1, "timed as asked"
+
+    # What may change an answer changes the version.
+    assert mgr.lookup_prefix([b"f0"], "other") == (1, [False])  # promoted: host blocks move
+    assert mgr.lookup_version() != version
+    version = mgr.lookup_version()
+    mgr.end_step()
+    settle(mgr)
+    assert mgr.lookup_version() != version, "the promotion landed"
+    version = mgr.lookup_version()
+    tier = mgr.secondary_tiers[0]
+    tier._index.add(key_digest(b"theirs"), None)  # a file another engine wrote, found
+    assert mgr.lookup_version() != version
+    version = mgr.lookup_version()
+    tier._index.remove(key_digest(b"theirs"))
+    assert mgr.lookup_version() != version
+    mgr._refused[b"x"] = mgr._step  # a key refused for a while: asked every time
+    assert mgr.lookup_version() is None

@@ -52,6 +52,7 @@ from kvtier.blockpool import (
 )
 from kvtier.tiering_spec.tier_flow import TierCounters, TierFlow
 from kvtier.tiering_spec.tier_jobs import TierJobs
+from kvtier.tiering_spec.tier_lookup_state import TierLookupState
 from kvtier.tiering_spec.tier_promotions import TierPromotions
 from kvtier.tiering_spec.tiers.base import SecondaryTier
 from kvtier.tiering_spec.tiers.fs.format import key_digest
@@ -73,7 +74,7 @@ class Lookup(enum.Enum):
     HIT_PENDING = 2
 
 
-class TierManager(TierPromotions, TierJobs):
+class TierManager(TierPromotions, TierJobs, TierLookupState):
     """Host block pool plus secondary tiers (fs, Mooncake Store), for one engine's scheduler.
 
     Args:

@@ -41,6 +41,8 @@ class TierFlow:
     sync_delays: list[float] = field(default_factory=list)
     async_delays: list[float] = field(default_factory=list)
     _warmup: list[float] = field(default_factory=list)
+    lookups: int = 0  # lookups answered (hit or miss)
+    last_sync: float = 0.0  # the last one's delay
 
     def dropped(self, blocks: int) -> None:
         """A store's write-through to this tier left ``blocks`` blocks unwritten."""
@@ -65,6 +67,8 @@ class TierFlow:
     def looked_up(self, sync: float, since: float | None, now: float) -> None:
         """A lookup answered hit or miss after ``sync`` seconds; ``since``: when the same
         lookup was first answered "not known yet" (None if it was not)."""
+        self.lookups += 1
+        self.last_sync = sync
         if len(self.sync_delays) < MAX_DELAYS:
             self.sync_delays.append(sync)
         if since is not None and len(self.async_delays) < MAX_DELAYS:

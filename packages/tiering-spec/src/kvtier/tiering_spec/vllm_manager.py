@@ -153,26 +153,20 @@ class KvtierOffloadingManager(OffloadingManager):
             secondary=self._pass_tiers(req_context),
         )
 
-    def lookup_state(self) -> tuple[object, tuple[int, int]] | None:
+    def lookup_state(self) -> tuple[object, tuple[int, ...]] | None:
         """For kvtier-vllm-port's lookup memo: a value equal exactly when lookups answer
-        the same (the host pool, its count of key changes), and the counters a lookup
-        moves; None where a lookup may answer otherwise when asked again, or change more
-        than counters (secondary tiers: promotions, probes, their lookup delays)."""
+        the same, and the counters a lookup moves (:meth:`TierManager.lookup_version`,
+        :meth:`TierManager.lookup_counts`); None where a lookup may answer otherwise when
+        asked again (a store tier, a refused key, a probe pending)."""
         core = self.core
-        if core.secondary_tiers:
+        version = core.lookup_version()
+        if version is None:
             return None
-        pool, c = core.pool, core.counters
-        return (pool, pool.key_changes, self.side.offload.no_loads_reason), (
-            c.host_queries,
-            c.host_hits,
-        )
+        return (version, self.side.offload.no_loads_reason), core.lookup_counts()
 
     def recount_lookups(self, moves: Sequence[int]) -> None:
-        """Move the counters of :meth:`lookup_state` by ``moves``: a lookup answered
-        again without asking, counted as asked."""
-        c = self.core.counters
-        c.host_queries += moves[0]
-        c.host_hits += moves[1]
+        """Lookups answered again without asking, counted as asked."""
+        self.core.recount_lookups(moves)
 
     def note_lora(self, req_context: ReqContext, has_lora: bool) -> None:
         """Called by kvtier's connector once vLLM added the request of ``req_context``

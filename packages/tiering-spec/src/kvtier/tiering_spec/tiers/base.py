@@ -268,6 +268,13 @@ class SecondaryTier(ABC):
         self.stats.hits += 1
 
     @property
+    def lookup_version(self) -> object | None:
+        """A value equal exactly when :meth:`contains` answers the same for every
+        digest and counts the same (no I/O); None (the default) where the tier cannot
+        tell, e.g. one that asks a store in the background."""
+        return None
+
+    @property
     def index_size(self) -> int:
         """Digests the tier's index holds (no I/O)."""
         return len(self._index)

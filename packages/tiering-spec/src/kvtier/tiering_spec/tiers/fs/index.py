@@ -40,6 +40,8 @@ class FsIndex:
         self.reserved = 0
         self._entries: dict[bytes, FsEntry] = {}
         self._policy = make_policy(policy, max(1, capacity_entries))
+        # Raised whenever a digest is added or removed: equal counts, the same digests.
+        self.changes = 0
 
     def __contains__(self, digest: object) -> bool:
         return digest in self._entries
@@ -53,6 +55,7 @@ class FsIndex:
     def add(self, digest: bytes, key: bytes | None) -> None:
         """Index ``digest`` (not indexed yet), the newest entry."""
         self._entries[digest] = FsEntry(self.entry_bytes, key)
+        self.changes += 1
         self.used += self.entry_bytes
         self._policy.insert([digest])
 
@@ -60,6 +63,7 @@ class FsIndex:
         """Forget ``digest`` (no ghost is kept); its entry, or None if not indexed."""
         entry = self._entries.pop(digest, None)
         if entry is not None:
+            self.changes += 1
             self._policy.remove(digest)
             self.used -= entry.nbytes
         return entry
@@ -102,6 +106,7 @@ class FsIndex:
             entry = self._entries.pop(digest)
             self.used -= entry.nbytes
             evicted.append((digest, entry))
+        self.changes += 1
         return evicted
 
 

@@ -341,6 +341,10 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         return False
 
     @property
+    def lookup_version(self) -> object | None:
+        return self._index.changes  # (contains reads the index alone)
+
+    @property
     def in_flight(self) -> int:
         return self._inflight
 
