@@ -286,6 +286,7 @@ def test_a_bad_file_is_a_counted_miss_and_never_loaded(make_tier, caplog, damage
     tier, res, _region, path = faulty(make_tier, damage, caplog)
     assert not res.ok and res.fault == kind
     assert tier.faults()[kind] == 1
+    assert tier.fault_count == sum(tier.faults().values()) == 1
     assert not tier.has(key_digest(b"k")), "a faulty entry must be forgotten"
     assert any(kind in r.getMessage() for r in caplog.records), "the fault must be logged"
     if kind in ("corrupt", "truncated"):
@@ -302,7 +303,7 @@ def test_each_fault_kind_is_logged_once(make_tier, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="kvtier.tiering_spec"):
         for i in range(3):
             assert not read(tier, b"k%d" % i, 3).ok
-    assert tier.faults()["corrupt"] == 3
+    assert tier.faults()["corrupt"] == 3 and tier.fault_count == 3
     assert sum("corrupt" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -512,3 +513,10 @@ def test_a_tier_with_nothing_to_take_in_says_so(make_tier) -> None:
     assert tier.has_news, "a finished write is news"
     assert [r.op for r in tier.poll()] == ["write"]
     assert not tier.has_news
+
+
+def test_a_timeout_counts_among_the_faults(make_tier, caplog) -> None:
+    tier = make_tier(Region(2))
+    tier._timed_out("a job still running")
+    assert tier.faults()["timeout"] == 1 and tier.fault_count == 1
+    assert any("time limit" in r.getMessage() for r in caplog.records)

@@ -380,17 +380,26 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         """Once per scheduler step: apply completions, forget the lookup pass, release
         promoted blocks not loaded within ``FRESH_STEPS``, promote ahead for queued
         requests (:class:`TierPromotions`), submit what waits."""
-        self.flush()
-        self.poll()
+        # (Each part is looked at before it is called: most steps have none to do.)
+        if self._queued:
+            self.flush()
+        for tier in self.secondary_tiers:
+            if getattr(tier, "has_news", True):
+                self.poll()
+                break
         self._step += 1
-        self._expire(self._refused)
-        for key in self._expire(self._fresh):
-            self.pool.release([key], Hold.PROMOTION)
-            self._leave_room(key)
-        self._end_pass()
+        if self._refused:
+            self._expire(self._refused)
+        if self._fresh:
+            for key in self._expire(self._fresh):
+                self.pool.release([key], Hold.PROMOTION)
+                self._leave_room(key)
+        if self._pass_req is not None or self._pass_held is not None or self._pass_keys:
+            self._end_pass()
         if self._ahead:
             self._promote_ahead()
-            self.flush()  # their reads overlap the next step
+            if self._queued:
+                self.flush()  # their reads overlap the next step
 
     def _end_pass(self) -> None:
         """Forget the lookup pass, releasing the keys it held for its promotions."""

@@ -140,9 +140,9 @@ class TierPromotions:
             req_id,
             pool,
             pool.key_changes,
-            self._room_used(),
+            len(self._promoting) + len(self._fresh),  # (the room used)
             len(self._refused),
-            *(tier.index_size for tier in self.secondary_tiers),
+            [tier.index_size for tier in self.secondary_tiers],
         )
         if seen == self._ahead_seen:
             return

@@ -186,6 +186,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         self._results: deque[TierResult] = deque()
         self._inflight = 0
         self._faults: dict[str, int] = dict.fromkeys(map(str, FAULT_KINDS), 0)
+        self._fault_total = 0  # (fault_count, asked every step, without a sum)
         self._fault_logged: set[str] = set()
         self.stats = TierStats()
         self._closed = False
@@ -444,8 +445,13 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         self.stats.entries = len(self._index)
         return out
 
+    @property
+    def fault_count(self) -> int:
+        return self._fault_total
+
     def _fault(self, kind: TierFault, res: TierResult) -> None:
         self._faults[kind] = self._faults.get(kind, 0) + 1
+        self._fault_total += 1
         if kind not in self._fault_logged:
             self._fault_logged.add(kind)
             logger.warning(
@@ -462,6 +468,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
 
     def _timed_out(self, what: str) -> None:
         super()._timed_out(what)
+        self._fault_total += 1
         logger.warning(
             "kvtier fs tier %r at %s: %s past the time limit (a hung or very slow "
             "filesystem?); the engine goes on without them "
