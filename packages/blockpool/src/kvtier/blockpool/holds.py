@@ -153,43 +153,23 @@ class PoolHolds:
             return
         held = self._holds[kind]
         storing = self._storing_holds
-        if len(keys) == 1:
-            key = keys[0]
-            count = held.get(key, 0)
-            if count and not (storing and key in storing):
+        # The common case (a load's or a write's keys, each named once and held, none
+        # of them storing): checked at C speed, then each hold dropped.
+        unique = set(keys)
+        if (
+            len(unique) == len(keys)
+            and held.keys() >= unique
+            and (not storing or storing.keys().isdisjoint(unique))
+        ):
+            self._unpin(keys)  # (a hold pins its key)
+            for key in keys:  # (_drop's work inline: this is every load's completion)
+                count = held[key]
                 if count == 1:
                     del held[key]
                 else:
                     held[key] = count - 1
-                self._hold_counts[kind] -= 1
-                self._unpin(keys)
-                return
-        else:
-            unique = set(keys)
-            # The common case (a load's or a write's keys, each named once, none of them
-            # storing): checked at C speed, then one pass (a held key's count is >= 1).
-            if (
-                len(unique) == len(keys)
-                and held.keys() >= unique
-                and (not storing or storing.keys().isdisjoint(unique))
-            ):
-                pins = self._pins
-                released = 0
-                for key in keys:
-                    count = pins[key]  # (a hold pins its key)
-                    if count == 1:
-                        del pins[key]
-                        released += 1
-                    else:
-                        pins[key] = count - 1
-                    count = held[key]
-                    if count == 1:
-                        del held[key]
-                    else:
-                        held[key] = count - 1
-                self._released += released
-                self._hold_counts[kind] -= len(keys)
-                return
+            self._hold_counts[kind] -= len(keys)
+            return
         wanted: dict[Any, int] = {}
         for key in keys:
             wanted[key] = wanted.get(key, 0) + 1
