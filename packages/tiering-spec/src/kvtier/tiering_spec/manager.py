@@ -383,10 +383,8 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         # (Each part is looked at before it is called: most steps have none to do.)
         if self._queued:
             self.flush()
-        for tier in self.secondary_tiers:
-            if getattr(tier, "has_news", True):
-                self.poll()
-                break
+        if self.secondary_tiers:
+            self.poll()  # (it skips a tier without news)
         self._step += 1
         if self._refused:
             self._expire(self._refused)

@@ -140,7 +140,7 @@ class TierPromotions:
             req_id,
             pool,
             pool.key_changes,
-            len(self._promoting) + len(self._fresh),  # (the room used)
+            self._room_used(),
             len(self._refused),
             [tier.index_size for tier in self.secondary_tiers],
         )

@@ -51,10 +51,8 @@ class _RequestReuse:
         self.keys.update(dict.fromkeys(keys))
         if not reused:
             self.stored.update(keys)
-        elif self.stored:
-            self.reused.update(set(keys) - self.stored)
         else:
-            self.reused.update(keys)
+            self.reused.update(set(keys) - self.stored)
 
 
 class _RequestTiers:
