@@ -18,9 +18,11 @@ last ask for the same request:
   cap on new tokens asked with, its cap on tokens to load and its count of offload keys
   per KV cache group (vLLM's lookup reads nothing else of the request);
 * the manager's answer to ``lookup_state()``, a value that is equal exactly when its
-  lookups answer the same (kvtier's host tier: the pool and its count of key changes).
-  A manager that answers None (a secondary tier, whose lookups start promotions and
-  probes) is asked every time, and so is one without the method.
+  lookups answer the same (kvtier's: the host pool's and each fs index's change counts;
+  a lookup that promotes changes the pool, so the next ask goes to vLLM's). A manager
+  that answers None (kvtier's with a mooncake tier, whose answers come from background
+  probes, or with a key refused for a while) is asked every time, and so is one
+  without the method.
 
 vLLM's lookup is called as before when its hit chunks may be loading
 (``_chunks_being_loaded``), when its events tracker records lookups (self-describing KV
