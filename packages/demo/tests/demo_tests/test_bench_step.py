@@ -61,6 +61,24 @@ def test_percentiles() -> None:
     assert bench_step._pct([], 0.9) == 0.0
 
 
+def test_an_admission_counts_the_step_that_allocated_it_and_the_one_that_scheduled_it() -> None:
+    # An asynchronous load: looked up and allocated in step 2 (no token scheduled: every
+    # request waits for its load), scheduled in step 3. Steps 1 and 4 admit nothing.
+    rec = bench_step.StepRecorder()
+    rec.schedule_calls = [(100_000, 10_000, 8), (90_000, 60_000, 0), (120_000, 40_000, 8)]
+    rec.schedule_calls.append((100_000, 12_000, 8))
+    rec.update_calls = [(5_000, 0)] * 4
+    rec.admitted = [0, 0, 1, 0]
+    rec.allocated = [0, 1, 1, 0]
+    sched = bench_step.summarize(rec)["sched_us"]
+    assert sched["per_admitted"] == 100.0  # (60 + 40) µs for one request
+    assert sched["steady_steps"] == 2 and sched["steady_p90"] == 12.0
+    # A step that allocates for a request it also schedules counts once.
+    rec.allocated = [0, 0, 1, 0]
+    rec.schedule_calls[1] = (90_000, 0, 0)
+    assert bench_step.summarize(rec)["sched_us"]["per_admitted"] == 40.0
+
+
 @requires_vllm
 def test_the_anchor_is_vllms_own_connector_and_manager(tiny_model: Path) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (

@@ -22,6 +22,14 @@ some (lookups, load and store plans grow with the requests a step admits, for vL
 connector too), and the worker side's median over the steps in which nothing moves
 ("quiet": no transfer job in the step's metadata nor in the two before).
 
+A step admits requests where it schedules new or resumed ones, or where the scheduler
+allocates device blocks for a waiting request (``update_state_after_alloc``): a request
+whose hit loads asynchronously is looked up and allocated in one step and scheduled in
+a later one (vLLM's connector loads every hit so; kvtier's loads a hit within the
+step's budget before the forward pass of the step that finds it). Both steps count
+toward its admission, including a step that scheduled no token because every request
+waited for its load.
+
 Connectors (``--connectors``):
 
 * ``none``: vLLM alone;
@@ -487,6 +495,7 @@ class StepRecorder:
     update_calls: list[tuple[int, int]] = field(default_factory=list)
     worker_steps: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)  # requests admitted or resumed, per step
+    allocated: list[int] = field(default_factory=list)  # update_state_after_alloc calls, per step
     worker_jobs: list[int] = field(default_factory=list)  # transfer jobs in each step's metadata
 
     def attach(self, llm: Any, *, breakdown: bool) -> None:
@@ -505,9 +514,12 @@ class StepRecorder:
 
         side = self.scheduler
 
+        allocs = side.methods.get("update_state_after_alloc") or MethodStats()
+
         def schedule(*args: Any, **kwargs: Any) -> Any:
             between = side.take()  # calls outside a step (request arrivals)
             timed_calls = side.outer_calls
+            allocs_before = allocs.calls
             t0 = clock()
             out = orig_schedule(*args, **kwargs)
             total = clock() - t0 - (side.outer_calls - timed_calls) * TIMER.nested_ns
@@ -516,6 +528,7 @@ class StepRecorder:
                 (total + between, conn_ns + between, int(out.total_num_scheduled_tokens))
             )
             self.admitted.append(_admitted(out))
+            self.allocated.append(allocs.calls - allocs_before)
             return out
 
         def update(*args: Any, **kwargs: Any) -> Any:
@@ -541,16 +554,23 @@ class StepRecorder:
 
             wconn.bind_connector_metadata = bind_step
 
-    def steps(self) -> list[dict[str, int]]:
-        """Per step that scheduled tokens: vLLM's scheduler, connector scheduler side (ns)."""
+    def steps(self, *, all_steps: bool = False) -> list[dict[str, int]]:
+        """Per step that scheduled tokens (``all_steps``: every step): vLLM's scheduler,
+        the connector's scheduler side (ns), the requests it admitted, and whether it
+        admitted or allocated for some (``admits``, see the module)."""
         out = []
-        for (total, conn, tokens), (utotal, uconn), admitted in zip(
-            self.schedule_calls, self.update_calls, self.admitted
+        for (total, conn, tokens), (utotal, uconn), admitted, allocated in zip(
+            self.schedule_calls, self.update_calls, self.admitted, self.allocated
         ):
-            if tokens == 0:
+            if tokens == 0 and not all_steps:
                 continue
             out.append(
-                {"vllm": total + utotal - conn - uconn, "sched": conn + uconn, "admitted": admitted}
+                {
+                    "vllm": total + utotal - conn - uconn,
+                    "sched": conn + uconn,
+                    "admitted": admitted,
+                    "admits": int(bool(admitted or allocated)),
+                }
             )
         return out
 
@@ -612,8 +632,9 @@ def summarize(rec: StepRecorder) -> dict[str, Any]:
     worker = rec.worker_per_step() if rec.worker_steps else []
     quiet = rec.quiet_worker_steps() if rec.worker_steps else []
     # Steps that admit no request: what is left of a step's cost without admissions.
-    steady = [s["sched"] for s in steps if not s["admitted"]]
-    admitting = [s for s in steps if s["admitted"]]
+    steady = [s["sched"] for s in steps if not s["admits"]]
+    # Admissions: every step that admits or allocates, scheduling tokens or not.
+    admitting = [s for s in rec.steps(all_steps=True) if s["admits"]]
     admitted = sum(s["admitted"] for s in admitting)
     return {
         "steps": len(steps),
