@@ -901,6 +901,93 @@ def test_a_prefix_looked_up_in_one_call_is_what_key_by_key_lookups_find() -> Non
         mgr.pool.check_invariants()
 
 
+def _fs_twin(make_tier, tmp_path, name: str, host_blocks: int, keys: list[bytes]) -> Any:
+    """A manager of ``host_blocks`` host blocks with ``keys`` in its own fs tier only,
+    and its region."""
+    region = Region(2 * host_blocks)
+    tier = make_tier(region, root=tmp_path / name)
+    mgr = TierManager(HostBlockPool(host_blocks), [tier], max_write_backlog=64)
+    for start in range(0, len(keys), host_blocks):
+        store(mgr, region, keys[start : start + host_blocks])
+        settle(mgr)
+    store(mgr, region, [b"filler%d" % i for i in range(host_blocks)])
+    settle(mgr)
+    mgr.end_step()
+    return mgr, region
+
+
+def _count_calls(obj: Any, name: str) -> list[int]:
+    calls = [0]
+    method = getattr(obj, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return method(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("on_host", [None, 4])
+def test_a_prefix_promoted_from_the_fs_tier_reserves_its_run_at_once(
+    make_tier, tmp_path, on_host: int | None
+) -> None:
+    """lookup_prefix's first promotion reserves host blocks for the next keys the same
+    tier will promote, in one call, up to the first key the host tier holds: answers,
+    holds, counters and promotions are those of key-by-key lookups, and the promoted
+    blocks read back the bytes written."""
+    keys = [b"p%d" % i for i in range(8)]  # (the promotions' room: 8 blocks)
+    twins = [_fs_twin(make_tier, tmp_path, name, 16, keys) for name in ("a", "b")]
+    (a, region), (b, _) = twins
+    if on_host is not None:  # a key of the prefix back on the host tier: the run stops
+        for mgr, _r in twins:
+            assert mgr.lookup(keys[on_host], "warm") is Lookup.HIT_PENDING
+            settle(mgr)
+            mgr.end_step()
+            mgr.end_step()
+    reservations = _count_calls(a.pool, "prepare_store")
+    one_by_one = _count_calls(b.pool, "prepare_store")
+    found, ready = a.lookup_prefix(keys, "r")
+    want = _prefix_by_lookups(b, keys, "r")
+    assert (found, ready) == (want[0], want[1]) and found == len(keys)
+    assert _state(a, keys) == _state(b, keys)
+    ta, tb = a.secondary_tiers[0], b.secondary_tiers[0]
+    assert (ta.stats.queries, ta.stats.hits) == (tb.stats.queries, tb.stats.hits)
+    assert a.flows[0].lookups == b.flows[0].lookups  # (and the warm-up's)
+    promoted = len(keys) - (on_host is not None)
+    assert one_by_one[0] == promoted
+    # The first key, then its run; where the host tier holds p4, p5 and the run after it.
+    assert reservations[0] == (2 if on_host is None else 4), "the first key, then its run"
+    assert not a._reserved
+    for mgr, _r in twins:
+        mgr.end_step()
+        settle(mgr)
+        assert mgr.lookup_prefix(keys, "r") == (len(keys), None)
+        mgr.pool.check_invariants()
+    for key in keys:
+        expected = int.from_bytes(key_digest(key)[:4], "little").to_bytes(4, "little")
+        assert region.block(0, a.pool.block_of(key))[:4] == expected, key
+
+
+def test_reserved_blocks_a_prefix_lookup_does_not_use_are_given_back(make_tier, tmp_path) -> None:
+    """A key of the reserved run that its own lookup misses after all ends the prefix,
+    and the blocks reserved for it and the keys after it are freed."""
+    keys = [b"q%d" % i for i in range(6)]
+    mgr, _region = _fs_twin(make_tier, tmp_path, "a", 16, keys)
+    tier = mgr.secondary_tiers[0]
+    gone = key_digest(keys[3])
+    contains = tier.contains
+    tier.contains = lambda digest: digest != gone and contains(digest)  # type: ignore[method-assign]
+    free = mgr.pool.num_free + mgr.pool.num_evictable
+    assert mgr.lookup_prefix(keys, "r") == (3, [False] * 3)
+    assert [mgr.pool.is_storing(k) for k in keys] == [True] * 3 + [False] * 3
+    assert not mgr._reserved and sorted(mgr._promoting) == sorted(keys[:3])
+    assert mgr.pool.num_free + mgr.pool.num_evictable == free - 3
+    mgr.end_step()
+    settle(mgr)
+    mgr.pool.check_invariants()
+
+
 def test_a_prefix_looked_up_in_one_call_holds_its_hits_from_its_first_promotion(
     make_tier,
 ) -> None:

@@ -121,6 +121,9 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         self._pass_req: str | None = None
         self._pass_keys: list[bytes] = []
         self._pass_held: list[bytes] | None = None
+        # Host blocks a prefix lookup reserved at once for the promotions its next keys
+        # will start (key -> block), taken by each key's own lookup (TierPromotions).
+        self._reserved: dict[bytes, int] = {}
         # Promoted keys held until loaded (Hold.PROMOTION; key -> step of the promotion),
         # and a cap on promoting plus held blocks: half the host tier, the rest for stores.
         self._fresh: OrderedDict[bytes, int] = OrderedDict()
@@ -174,7 +177,7 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
                 pool.hold([key], Hold.LOOKUP_PASS)
                 self._pass_held.append(key)
             return Lookup.HIT
-        if pool.is_storing(key):
+        if pool.is_storing(key) and key not in self._reserved:
             if pool.holds(key, Hold.LATE_READ):  # a read that timed out: never loaded
                 return Lookup.MISS
             self._pass_keys.append(key)
@@ -229,24 +232,33 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         ready: list[bool] | None = None
         pool = self.pool
         counters = self.counters
-        for key in keys:
-            if found and self._pass_held is None and pool.contains(key):
-                # lookup()'s first answer, for a request whose pass has begun and holds
-                # nothing (it has not promoted): a HIT.
-                counters.host_queries += 1
-                counters.host_hits += 1
-                self._pass_keys.append(key)
-                hit = True
-            else:
-                answer = self.lookup(key, req_id, secondary=secondary)
-                if answer is Lookup.MISS:
-                    break
-                hit = answer is Lookup.HIT
-            if ready is not None:
-                ready.append(hit)
-            elif not hit:
-                ready = [True] * found + [False]
-            found += 1
+        promoting = self._promoting
+        reserve = bool(self.secondary_tiers)  # (the first promotion reserves for the rest)
+        try:
+            for key in keys:
+                if found and self._pass_held is None and pool.contains(key):
+                    # lookup()'s first answer, for a request whose pass has begun and holds
+                    # nothing (it has not promoted): a HIT.
+                    counters.host_queries += 1
+                    counters.host_hits += 1
+                    self._pass_keys.append(key)
+                    hit = True
+                else:
+                    answer = self.lookup(key, req_id, secondary=secondary)
+                    if answer is Lookup.MISS:
+                        break
+                    hit = answer is Lookup.HIT
+                    if reserve and not hit and not self._reserved and key in promoting:
+                        reserve = self._reserve_ahead(keys, found + 1, promoting[key], secondary)
+                if ready is not None:
+                    ready.append(hit)
+                elif not hit:
+                    ready = [True] * found + [False]
+                found += 1
+        finally:
+            if self._reserved:  # (never expected: each reserved key is looked up)
+                unused, self._reserved = list(self._reserved), {}
+                pool.complete_store(unused, success=False)
         return found, ready
 
     def _digest(self, key: bytes) -> bytes:

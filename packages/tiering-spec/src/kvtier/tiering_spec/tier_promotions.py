@@ -63,6 +63,7 @@ class TierPromotions:
     _ahead: OrderedDict[str, tuple[Sequence[bytes], Literal[True] | Sequence[bool]]]
     _ahead_seen: tuple[object, ...]
     _refused: OrderedDict[bytes, int]
+    _reserved: dict[bytes, int]
 
     def _digest(self, key: bytes) -> bytes:
         raise NotImplementedError
@@ -83,16 +84,57 @@ class TierPromotions:
         """Reserve a host block for ``key`` and queue its read from secondary tier
         ``idx`` (submitted when the pass or step ends), in ``req_id``'s share of the
         promotions' room; False where the host tier has no block to give."""
-        plan = self.pool.prepare_store([key])
-        if plan is None or not plan.keys:
-            return False
-        self._queued.setdefault((idx, "read", req_id), []).append((key, digest, plan.block_ids[0]))
+        block = self._reserved.pop(key, None) if self._reserved else None
+        if block is None:
+            plan = self.pool.prepare_store([key])
+            if plan is None or not plan.keys:
+                return False
+            block = plan.block_ids[0]
+        self._queued.setdefault((idx, "read", req_id), []).append((key, digest, block))
         self._promoting[key] = idx
         self._room_owner[key] = req_id
         self._room_reqs[req_id] = self._room_reqs.get(req_id, 0) + 1
         self._load_sources[key] = self.secondary_tiers[idx].name
         if len(self._load_sources) > _MAX_LOAD_SOURCES:
             self._load_sources.popitem(last=False)
+        return True
+
+    def _reserve_ahead(
+        self, keys: Sequence[bytes], start: int, idx: int, tiers: bool | Sequence[bool]
+    ) -> bool:
+        """A prefix lookup just promoted a key from secondary tier ``idx``: reserve host
+        blocks at once for the keys from ``keys[start]`` on that its own lookups will
+        promote from the same tier (in order, up to the first that is cached, stored,
+        refused, held by an earlier tier or by none, and within the promotions' room),
+        so that each takes its block without a reservation and an eviction of its own.
+        Only where every tier up to ``idx`` answers lookups from its index (an fs tier;
+        a store tier asks in the background). Nothing is reserved for fewer than two.
+        False where no later promotion of the lookup can reserve either."""
+        tier_list = self.secondary_tiers
+        room = self.max_promoting - self._room_used()
+        if room < 2 or any(t.lookup_version is None for t in tier_list[: idx + 1]):
+            return False
+        pool, refused, digest_of = self.pool, self._refused, self._digest
+        before = [t for i, t in enumerate(tier_list[:idx]) if tiers is True or (tiers and tiers[i])]
+        tier = tier_list[idx]
+        run: list[bytes] = []
+        seen: set[bytes] = set()
+        for key in itertools.islice(keys, start, None):
+            if len(run) == room or key in seen or pool.contains(key) or pool.is_storing(key):
+                break
+            if refused and key in refused:
+                break
+            digest = digest_of(key)
+            if not tier.indexed(digest) or (before and any(t.indexed(digest) for t in before)):
+                break
+            run.append(key)
+            seen.add(key)
+        if len(run) < 2:
+            return True
+        plan = pool.prepare_store(run)
+        if plan is None:
+            return False  # (each key's own reservation may still find a block)
+        self._reserved = dict(zip(plan.keys, plan.block_ids))
         return True
 
     def _leave_room(self, key: bytes) -> None:
