@@ -221,6 +221,52 @@ class EvictNewestFirst:
         return victims
 
 
+def _frecency_state(policy: FrecencyPolicy) -> dict[str, object]:
+    seen = {
+        key: (e.uses, e.halvings, e.clock, e.stored_at, e.restored, e.order, e.item)
+        for key, e in policy._seen.items()
+    }
+    fields = ("clock", "stored", "tau", "_order", "_halvings", "_next_tune", "_heap")
+    return {
+        "seen": seen,
+        "ghosts": list(policy._ghosts),
+        "fresh": list(policy._fresh),
+        "distances": list(policy._distances),
+        **{name: getattr(policy, name) for name in fields},
+    }
+
+
+def test_frecency_insert_each_is_one_insert_per_key_in_turn() -> None:
+    """``insert_each`` (the fs tier indexes a poll's writes in one call) leaves the
+    policy as an ``insert`` of each key in turn does: the same clock, scores, order,
+    ghosts and tunings, over evictions, reuses and halvings."""
+    import random
+
+    rng = random.Random(7)
+    each, one_by_one = FrecencyPolicy(8), FrecencyPolicy(8)
+    cached: set[int] = set()
+    for step in range(3000):
+        roll = rng.random()
+        if roll < 0.4:
+            keys = [k for k in rng.sample(range(64), rng.randint(1, 6)) if k not in cached]
+            each.insert_each(keys)
+            for key in keys:
+                one_by_one.insert([key])
+            cached.update(keys)
+        elif roll < 0.7 and cached:
+            keys = rng.sample(sorted(cached), min(len(cached), rng.randint(1, 4)))
+            reused = {k for k in keys if rng.random() < 0.5}
+            for policy in (each, one_by_one):
+                policy.touch_prefix(keys, reused)
+        elif len(cached) > 4:
+            n = rng.randint(1, len(cached) - 4)
+            gone = [each.evict(n, lambda k: True), one_by_one.evict(n, lambda k: True)]
+            assert gone[0] == gone[1], step
+            cached.difference_update(gone[0] or ())
+        assert _frecency_state(each) == _frecency_state(one_by_one), step
+    assert each._halvings > 0 and each.tau > each.capacity, "tunings must have run"
+
+
 @pytest.mark.parametrize(
     "path",
     [f"{__name__}:EvictNewestFirst", f"{__name__}.EvictNewestFirst"],

@@ -141,6 +141,31 @@ class FrecencyPolicy:
         if self.stored >= self._next_tune:
             self._tune()
 
+    def insert_each(self, keys: Sequence[Key]) -> None:
+        """``insert([key])`` for each of ``keys`` in turn, in one call: the same
+        scores, order, clock and tunings (a tier indexes the files a poll found written
+        so, in the order they landed)."""
+        seen, ghosts = self._seen, self._ghosts
+        for key in keys:
+            entry = seen.get(key)
+            order = self._order = self._order + 1
+            clock = self.clock
+            if entry is None:
+                item = (clock, order, key)
+                seen[key] = _Entry(clock, order, item, self._halvings)
+                self._fresh.append(item)
+            else:
+                if ghosts.pop(key, NO_KEY) is not NO_KEY and entry.stored_at >= 0:
+                    entry.restored = True  # stored again: its next use was a miss
+                if entry.halvings != self._halvings:
+                    self._catch_up(entry)
+                item = entry.item = (entry.uses + entry.clock, entry.order, key)
+                heappush(self._heap, item)
+            self.stored += 1
+            self.clock = clock + 1 / self.tau
+            if self.stored >= self._next_tune:
+                self._tune()
+
     def touch(self, keys: Sequence[Key]) -> None:
         """``keys`` were used, head first: each counts one use. vLLM before 0.32 calls
         this for a request's keys at every store, so it is kept lean: it feeds neither
