@@ -12,7 +12,7 @@ import pytest
 from kvtier.blockpool import Hold, HostBlockPool
 from kvtier.tiering_spec import metrics, metrics_emitter
 from kvtier.tiering_spec.manager import FRESH_STEPS, Lookup, TierManager
-from kvtier.tiering_spec.tiers.base import FAULT_KINDS, TierStats
+from kvtier.tiering_spec.tiers.base import FAULT_KINDS, TierFault, TierResult, TierStats
 from kvtier.tiering_spec.tiers.fs import format as fs_format
 from kvtier.tiering_spec.tiers.fs.format import key_digest
 
@@ -986,6 +986,37 @@ def test_reserved_blocks_a_prefix_lookup_does_not_use_are_given_back(make_tier, 
     mgr.end_step()
     settle(mgr)
     mgr.pool.check_invariants()
+
+
+def test_results_of_one_poll_are_applied_as_one_at_a_time(make_tier, tmp_path) -> None:
+    """Promotions that land in one poll are applied together: the host tier ends as
+    if each result were applied alone, in order (readable, touched, held, the failed
+    one freed, the write's hold ended), and its policy evicts them in the same order."""
+    keys = [b"k%d" % i for i in range(5)]
+    twins = []
+    for name in ("a", "b"):
+        mgr = TierManager(HostBlockPool(12), [make_tier(Region(12), root=tmp_path / name)])
+        store(mgr, None, [b"old0", b"old1", b"w"])
+        mgr.pool.hold([b"w"], Hold.TIER_WRITE)
+        for key in keys:
+            assert mgr._promote(0, key, key_digest(key), "r")
+        twins.append(mgr)
+    (a, b) = twins
+    blocks = {key: block for key, _digest, block in a._queued[(0, "read", "r")]}
+    results = [TierResult("read", k, blocks[k], ok=True) for k in keys]
+    results[2] = TierResult("read", keys[2], blocks[keys[2]], ok=False, fault=TierFault.CORRUPT)
+    results.insert(3, TierResult("write", b"w", a.pool.block_of(b"w") or 0, ok=True, nbytes=8))
+    for mgr, batches in ((a, [results]), (b, [[res] for res in results])):
+        for batch in batches:
+            written: dict[bytes, int] = {}
+            mgr._apply(batch, written, mgr.flows[0])
+            mgr.pool.release([k for k, n in written.items() for _ in range(n)], Hold.TIER_WRITE)
+    assert _state(a, keys + [b"w"]) == _state(b, keys + [b"w"])
+    assert list(a._fresh) == list(b._fresh) == [k for k in keys if k != keys[2]]
+    for mgr in twins:
+        mgr.pool.check_invariants()
+        mgr.pool.release(list(mgr._fresh), Hold.PROMOTION)
+    assert a.pool.evict(a.pool.num_evictable) == b.pool.evict(b.pool.num_evictable)
 
 
 def test_a_prefix_looked_up_in_one_call_holds_its_hits_from_its_first_promotion(

@@ -124,48 +124,72 @@ class TierJobs:
 
     def _apply(self, results: list[TierResult], written: dict[bytes, int], flow: TierFlow) -> None:
         """Apply one tier's ``results`` (see :meth:`poll`); the write holds to end are
-        counted into ``written``, completed writes into the tier's ``flow``."""
+        counted into ``written``, completed writes into the tier's ``flow``. Promotions
+        that landed are applied together, in their order, before any other result."""
         pool = self.pool
+        landed: list[bytes] = []  # promotions read back, not applied yet
         for res in results:
-            if res.op == "release":  # a timed-out read's late call is over
-                if pool.holds(res.key, Hold.LATE_READ):
-                    pool.release([res.key], Hold.LATE_READ)
-                    pool.complete_store([res.key], success=False)
-                continue
-            if res.op == "read":
-                if self._promoting.pop(res.key, None) is None:
-                    continue
-                if not res.ok:
-                    self._leave_room(res.key)
-                if res.fault == TierFault.TIMEOUT:
-                    # The call may still write into the block: keep it reserved
-                    # until the tier releases it; the lookup misses meanwhile.
-                    if pool.is_storing(res.key):
-                        pool.hold([res.key], Hold.LATE_READ)
-                    self.counters.promotion_failures += 1
-                    self._load_sources.pop(res.key, None)
-                    continue
-                pool.complete_store([res.key], success=res.ok)
-                if res.ok:
-                    # A promotion is a use (a request asked for the key), for every
-                    # policy: one that scores by use keeps it above keys nobody
-                    # asked for lately, so promotions do not evict each other.
-                    pool.touch([res.key])
-                    if res.key not in self._fresh:
-                        pool.hold([res.key], Hold.PROMOTION)  # until vLLM loads it
-                        self._fresh[res.key] = self._step
-                else:
-                    self.counters.promotion_failures += 1
-                    self._load_sources.pop(res.key, None)
-            elif res.op == "write":
+            op, key = res.op, res.key
+            if op == "write":
                 # (A write of the pool before a reset holds nothing in this one.)
-                ended = written.get(res.key, 0)
-                if pool.holds(res.key, Hold.TIER_WRITE) > ended:
-                    written[res.key] = ended + 1
+                ended = written.get(key, 0)
+                if pool.holds(key, Hold.TIER_WRITE) > ended:
+                    written[key] = ended + 1
                 if not res.ok:
                     self.counters.write_failures += 1
                 else:
                     flow.write_completed(res.seconds, res.nbytes)
+                continue
+            if op == "read" and res.ok and res.fault is None:
+                if self._promoting.pop(key, None) is not None:
+                    landed.append(key)
+                continue
+            if landed:
+                self._landed(landed)
+                landed = []
+            if op == "release":  # a timed-out read's late call is over
+                if pool.holds(key, Hold.LATE_READ):
+                    pool.release([key], Hold.LATE_READ)
+                    pool.complete_store([key], success=False)
+                continue
+            if op == "read":
+                if self._promoting.pop(key, None) is None:
+                    continue
+                if not res.ok:
+                    self._leave_room(key)
+                if res.fault == TierFault.TIMEOUT:
+                    # The call may still write into the block: keep it reserved
+                    # until the tier releases it; the lookup misses meanwhile.
+                    if pool.is_storing(key):
+                        pool.hold([key], Hold.LATE_READ)
+                    self.counters.promotion_failures += 1
+                    self._load_sources.pop(key, None)
+                    continue
+                if res.ok:  # (with a fault that did not fail it)
+                    self._landed([key])
+                    continue
+                pool.complete_store([key], success=False)
+                self.counters.promotion_failures += 1
+                self._load_sources.pop(key, None)
+        if landed:
+            self._landed(landed)
+
+    def _landed(self, keys: list[bytes]) -> None:
+        """Promotions of ``keys`` (in the order they landed, their blocks read) are
+        readable: what applying them one by one does. A promotion is a use (a request
+        asked for the key), for every policy: one that scores by use keeps it above keys
+        nobody asked for lately, so promotions do not evict each other. Each is held
+        (Hold.PROMOTION) until vLLM loads it."""
+        pool = self.pool
+        pool.complete_store(keys)
+        # (touch makes its first key the most recently used: the last one landed.)
+        pool.touch(keys[::-1])
+        fresh, step = self._fresh, self._step
+        new = [key for key in keys if key not in fresh]
+        if new:
+            pool.hold(new, Hold.PROMOTION)
+            for key in new:
+                fresh[key] = step
 
     # ------------------------------------------------------------------ in flight
 

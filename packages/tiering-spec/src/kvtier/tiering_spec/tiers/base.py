@@ -234,9 +234,16 @@ class SecondaryTier(ABC):
         is finished and no longer held."""
         out = self.poll()
         book = self._job_book()
-        if book.by_item:
-            for res in out:
-                book.back(res)
+        by_item = book.by_item
+        if by_item:
+            jobs = book.open
+            for res in out:  # (JobBook.back, inline: every item of every job)
+                job = by_item.pop((res.op, res.key), None)
+                if job is not None:
+                    res.job = job.id
+                    job.left -= 1
+                    if not job.left:
+                        del jobs[job.id]
         return out
 
     @property

@@ -18,7 +18,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvtier.tiering_spec.errors import ConfigError
 from kvtier.tiering_spec.tiers.base import JobBook, TierFault, TierJob, TierResult, TierStats
+from kvtier.tiering_spec.tiers.fs.format import HEADER_SIZE
 from kvtier.tiering_spec.tiers.fs.index import FsCapacity, FsIndex
 from kvtier.tiering_spec.tiers.fs.pool import IoThreads
 
@@ -36,6 +38,8 @@ class TierCapacity:
 
     name: str
     entry_bytes: int
+    world_size: int
+    payload_bytes: int
     enable_events: bool
     stats: TierStats
     _index: FsIndex
@@ -81,6 +85,16 @@ class TierCapacity:
     def target_capacity(self) -> int | None:
         """What ``capacity_bytes`` returns to after a full disk lowered it."""
         return self._capacity.target
+
+    def _check_capacity(self) -> None:
+        """Refuse a ``capacity_bytes`` below one entry (before any folder is made)."""
+        if self.capacity_bytes is not None and self.capacity_bytes < self.entry_bytes:
+            raise ConfigError(
+                f"capacity_bytes={self.capacity_bytes} of fs tier {self.name!r} cannot hold "
+                f"one entry: {self.entry_bytes} bytes ({self.world_size} rank file(s) of a "
+                f"{HEADER_SIZE}-byte header plus a {self.payload_bytes}-byte "
+                f"chunk); allowed: at least {self.entry_bytes}"
+            )
 
     def _default_capacity(self, held: int) -> int:
         """Half the free space at start plus what this tier's files already hold, at

@@ -59,6 +59,21 @@ class FsIndex:
         self.used += self.entry_bytes
         self._policy.insert([digest])
 
+    def add_all(self, entries: Sequence[tuple[bytes, bytes | None]]) -> None:
+        """:meth:`add` each (digest, key) of ``entries`` (none indexed yet), in order."""
+        table, nbytes = self._entries, self.entry_bytes
+        for digest, key in entries:
+            table[digest] = FsEntry(nbytes, key)
+        insert_each = getattr(self._policy, "insert_each", None)  # (frecency's: one call)
+        if insert_each is not None:
+            insert_each([digest for digest, _key in entries])
+        else:
+            insert = self._policy.insert
+            for digest, _key in entries:
+                insert([digest])
+        self.changes += len(entries)
+        self.used += nbytes * len(entries)
+
     def remove(self, digest: bytes) -> FsEntry | None:
         """Forget ``digest`` (no ghost is kept); its entry, or None if not indexed."""
         entry = self._entries.pop(digest, None)

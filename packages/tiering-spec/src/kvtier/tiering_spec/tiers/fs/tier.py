@@ -42,7 +42,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvtier.tiering_spec.auth import load_auth_key
-from kvtier.tiering_spec.errors import ConfigError
 from kvtier.tiering_spec.tier_config import TierConfig
 from kvtier.tiering_spec.tiers.base import (
     FAULT_KINDS,
@@ -141,16 +140,6 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         self._io = IoThreads(cfg.n_read_threads, cfg.n_write_threads)
         self._start_scan()
         self._log_start()
-
-    def _check_capacity(self) -> None:
-        """Refuse a ``capacity_bytes`` below one entry (before any folder is made)."""
-        if self.capacity_bytes is not None and self.capacity_bytes < self.entry_bytes:
-            raise ConfigError(
-                f"capacity_bytes={self.capacity_bytes} of fs tier {self.name!r} cannot hold "
-                f"one entry: {self.entry_bytes} bytes ({self.world_size} rank file(s) of a "
-                f"{fs_format.HEADER_SIZE}-byte header plus a {self.payload_bytes}-byte "
-                f"chunk); allowed: at least {self.entry_bytes}"
-            )
 
     def _open_folders(self, layouts: Sequence[Mapping[str, Any]]) -> None:
         """Check the folders and hold them open (files are reached only relative to
@@ -407,6 +396,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         results, index, stats = self._results, self._index, self.stats
         writing, reusing, reading = self._writing, self._reusing, self._reading
         events = self._events if self.enable_events else None
+        added: list[tuple[bytes, bytes]] = []  # written entries, indexed in order at once
         while results:
             res = results.popleft()
             self._inflight -= 1
@@ -417,30 +407,36 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
             digest = res.digest or fs_format.key_digest(res.key)
             if op == "write":
                 writing.discard(digest)
-                reused = reusing.pop(digest, None)
+                reused = reusing.pop(digest, None) if reusing else None
                 if reused is not None:
                     self._unlinked(reused)
                 index.reserved -= self.entry_bytes
                 if res.ok:
                     self._retried.discard(digest)
-                    index.add(digest, res.key)
-                    stats.record(res)
+                    added.append((digest, res.key))
                     if events is not None:
                         events.append((False, [res.key]))
-                elif res.fault == TierFault.DISK_FULL and self._retry_on_full_disk(res, digest):
-                    continue
-                else:
-                    self._fault(res.fault or TierFault.WRITE_FAILED, res)
             else:
                 count_down(reading, digest)
-                if res.ok:
-                    stats.record(res)
-                else:
-                    self._fault(res.fault or TierFault.UNREADABLE, res)
-                    # A bad file is removed so it is never tried again; an unreadable
-                    # one may be another process's, so it is only forgotten.
-                    self._forget(digest, res.key, unlink=res.fault in _REMOVED_FAULTS)
+            if res.ok:
+                stats.record(res)
+                out.append(res)
+                continue
+            if added:  # (a fault may evict or forget entries: index those written first)
+                index.add_all(added)
+                added = []
+            if op == "write":
+                if res.fault == TierFault.DISK_FULL and self._retry_on_full_disk(res, digest):
+                    continue
+                self._fault(res.fault or TierFault.WRITE_FAILED, res)
+            else:
+                self._fault(res.fault or TierFault.UNREADABLE, res)
+                # A bad file is removed so it is never tried again; an unreadable one
+                # may be another process's, so it is only forgotten.
+                self._forget(digest, res.key, unlink=res.fault in _REMOVED_FAULTS)
             out.append(res)
+        if added:
+            index.add_all(added)
         self.stats.used_bytes = self._index.used
         self.stats.entries = len(self._index)
         return out
