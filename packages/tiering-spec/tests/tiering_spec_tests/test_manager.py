@@ -1011,7 +1011,7 @@ def test_results_of_one_poll_are_applied_as_one_at_a_time(make_tier, tmp_path) -
             written: dict[bytes, int] = {}
             mgr._apply(batch, written, mgr.flows[0])
             mgr.pool.release([k for k, n in written.items() for _ in range(n)], Hold.TIER_WRITE)
-    assert _state(a, keys + [b"w"]) == _state(b, keys + [b"w"])
+    assert _state(a, [*keys, b"w"]) == _state(b, [*keys, b"w"])
     assert list(a._fresh) == list(b._fresh) == [k for k in keys if k != keys[2]]
     for mgr in twins:
         mgr.pool.check_invariants()
