@@ -358,12 +358,15 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
                     request.num_prompt_tokens,
                     connector_reads.chunk_hashes(request, per_chunk),
                 )
-            context = compat.PORT.request_context(scheduler, request.request_id)
+            # (With the host tier alone every request may use every tier: nothing to note.)
+            context = (
+                compat.PORT.request_context(scheduler, request.request_id)
+                if manager.core.secondary_tiers
+                else None
+            )
             if context is not None:
                 manager.note_lora(context, getattr(request, "lora_request", None) is not None)
-                if manager.core.secondary_tiers and not getattr(
-                    request, "skip_reading_prefix_cache", False
-                ):
+                if not getattr(request, "skip_reading_prefix_cache", False):
                     # What only the fs or store tier holds of its prefix is promoted
                     # while it waits for its turn.
                     keys = lookups.arrival_keys(scheduler, request.request_id)

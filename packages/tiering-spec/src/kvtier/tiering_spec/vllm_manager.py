@@ -271,8 +271,10 @@ class KvtierOffloadingManager(OffloadingManager):
         keys = list(keys)
         state = self._request_reuse(req_context)
         if state is not None:
-            pool = self.core.pool  # cached keys offered again are a use
-            state.note((k for k in keys if pool.contains(k)), reused=True)
+            contains = self.core.pool.contains  # cached keys offered again are a use
+            cached = [k for k in keys if contains(k)]
+            if cached:
+                state.note(cached, reused=True)
         # What the request loaded or reused stays: its recency is refreshed only when it
         # finishes, and its own stores would otherwise evict the head they follow.
         plan = self.core.prepare_store(keys, () if state is None else state.reused)
