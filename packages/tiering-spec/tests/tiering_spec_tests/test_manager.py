@@ -969,6 +969,68 @@ def test_a_prefix_promoted_from_the_fs_tier_reserves_its_run_at_once(
         assert region.block(0, a.pool.block_of(key))[:4] == expected, key
 
 
+def test_reserved_runs_behind_two_fs_tiers_find_what_key_by_key_lookups_find(
+    make_tier, tmp_path
+) -> None:
+    """Two fs tiers, keys placed on the host tier, in either fs tier, both or none, and
+    requests allowed to load from both or one: every prefix lookup (reserving the runs
+    one tier promotes) answers, counts and promotes what lookups key by key do."""
+    rng = random.Random(11)
+    universe = [b"u%02d" % i for i in range(12)]
+    runs = 0  # reservations of two keys or more
+    for round_ in range(30):
+        twins = []
+        placement = {k: rng.choice(["host", "a", "b", "ab", "ab", "ab", "none"]) for k in universe}
+        allowed: bool | list[bool] = rng.choice([True, True, [True, False], [False, True]])
+        for name in ("x", "y"):
+            root = tmp_path / f"{round_}{name}"
+            tiers = [make_tier(Region(32), root=root / t) for t in ("a", "b")]
+            mgr = TierManager(HostBlockPool(32), tiers, max_write_backlog=64)
+            store(mgr, None, list(universe))
+            settle(mgr)
+            for key in universe:
+                for i, t in enumerate("ab"):
+                    if t not in placement[key]:
+                        tiers[i]._forget(key_digest(key), key, unlink=False)
+            gone = [k for k in universe if placement[k] != "host"]
+            mgr.pool.evict(len(gone), keep=[k for k in universe if k not in gone])
+            mgr.end_step()
+            twins.append(mgr)
+        x, y = twins
+        keys = rng.sample(universe, rng.randint(4, len(universe)))
+        prepare_store = x.pool.prepare_store
+
+        def counted(keys: Any, *args: Any, _f: Any = prepare_store) -> Any:
+            nonlocal runs
+            runs += len(keys) > 1
+            return _f(keys, *args)
+
+        x.pool.prepare_store = counted  # type: ignore[method-assign]
+        found, ready = x.lookup_prefix(keys, "r", secondary=allowed)
+        flags: list[bool] = []
+        for key in keys:
+            answer = y.lookup(key, "r", secondary=allowed)
+            if answer is Lookup.MISS:
+                break
+            flags.append(answer is Lookup.HIT)
+        assert (found, ready) == (len(flags), None if all(flags) else flags), round_
+        assert _state(x, universe) == _state(y, universe), round_
+        for tx, ty, fx, fy in zip(x.secondary_tiers, y.secondary_tiers, x.flows, y.flows):
+            assert (tx.stats.queries, tx.stats.hits) == (ty.stats.queries, ty.stats.hits)
+            assert fx.lookups == fy.lookups
+
+        def queued(mgr: TierManager) -> dict[object, list[bytes]]:
+            return {job: [item[0] for item in items] for job, items in mgr._queued.items()}
+
+        assert queued(x) == queued(y), round_
+        assert not x._reserved
+        for mgr in twins:
+            mgr.end_step()
+            settle(mgr)
+            mgr.pool.check_invariants()
+    assert runs >= 6, "the rounds must reserve runs"
+
+
 def test_reserved_blocks_a_prefix_lookup_does_not_use_are_given_back(make_tier, tmp_path) -> None:
     """A key of the reserved run that its own lookup misses after all ends the prefix,
     and the blocks reserved for it and the keys after it are freed."""
