@@ -85,13 +85,17 @@ class TierJobs:
             if op == "write":
                 drops = self._write_drops.pop((idx, request), 0) if self._write_drops else 0
                 self.flows[idx].dropped(drops + tier.stats.writes_dropped - refused_before)
+            n_started = sum(map(bool, started))
+            if op == "read":
+                self.counters.promotions += n_started
+            else:
+                self.counters.writes_submitted += n_started
+            if n_started == len(items):
+                continue  # (most jobs: every item started)
             for (key, _digest, _block), ok in zip(items, started):
                 if ok:
-                    if op == "read":
-                        self.counters.promotions += 1
-                    else:
-                        self.counters.writes_submitted += 1
-                elif op == "read":
+                    continue
+                if op == "read":
                     if self._promoting.pop(key, None) is not None:
                         pool.complete_store([key], success=False)
                         self._leave_room(key)

@@ -147,9 +147,15 @@ class TierCapacity:
         if started is None:
             return super().submit(job)  # type: ignore[misc, no-any-return]
         book = self._job_book()
+        by_item, op = book.by_item, job.op
+        count = 0
         for (key, _digest, _block), ok in zip(job.items, started):
-            if ok:
-                book.started(job, key)
+            if ok:  # (JobBook.started, inline: every write of every job)
+                by_item[(op, key)] = job
+                count += 1
+        if count:
+            job.left += count
+            book.open[job.id] = job
         return started
 
     def _submit_writes(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool] | None:
