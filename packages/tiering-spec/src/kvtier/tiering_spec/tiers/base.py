@@ -7,7 +7,7 @@ import enum
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,22 +85,28 @@ class JobBook:
         self.by_item: dict[tuple[str, bytes], TierJob] = {}
         self.open: dict[int, TierJob] = {}
 
-    def started(self, job: TierJob, key: bytes) -> None:
-        """Item ``key`` of ``job`` started."""
-        self.by_item[(job.op, key)] = job
-        job.left += 1
-        self.open[job.id] = job
+    def started(self, job: TierJob, keys: Iterable[bytes]) -> None:
+        """Items ``keys`` of ``job`` started."""
+        by_item, op = self.by_item, job.op
+        count = 0
+        for key in keys:
+            by_item[(op, key)] = job
+            count += 1
+        if count:
+            job.left += count
+            self.open[job.id] = job
 
-    def back(self, res: TierResult) -> None:
-        """``res`` came back: label it with its job's id (0: of no job) and count the
-        item off its job, which leaves the book once finished."""
-        job = self.by_item.pop((res.op, res.key), None)
-        if job is None:
-            return
-        res.job = job.id
-        job.left -= 1
-        if job.finished:
-            del self.open[job.id]
+    def back(self, results: Iterable[TierResult]) -> None:
+        """``results`` came back: label each with its job's id (0: of no job) and count
+        its item off its job, which leaves the book once finished."""
+        by_item, jobs = self.by_item, self.open
+        for res in results:
+            job = by_item.pop((res.op, res.key), None)
+            if job is not None:
+                res.job = job.id
+                job.left -= 1
+                if job.finished:
+                    del jobs[job.id]
 
 
 @dataclass
@@ -219,13 +225,8 @@ class SecondaryTier(ABC):
         job until the results of the items that started came back from :meth:`results`
         (each labelled ``job.id``)."""
         start = self.submit_read if job.op == "read" else self.submit_write
-        book = self._job_book()
-        started: list[bool] = []
-        for key, digest, block_id in job.items:
-            ok = start(key, digest, block_id)
-            if ok:
-                book.started(job, key)
-            started.append(ok)
+        started = [start(key, digest, block_id) for key, digest, block_id in job.items]
+        self._job_book().started(job, [item[0] for item, ok in zip(job.items, started) if ok])
         return started
 
     def results(self) -> list[TierResult]:
@@ -234,16 +235,8 @@ class SecondaryTier(ABC):
         is finished and no longer held."""
         out = self.poll()
         book = self._job_book()
-        by_item = book.by_item
-        if by_item:
-            jobs = book.open
-            for res in out:  # (JobBook.back, inline: every item of every job)
-                job = by_item.pop((res.op, res.key), None)
-                if job is not None:
-                    res.job = job.id
-                    job.left -= 1
-                    if not job.left:
-                        del jobs[job.id]
+        if book.by_item:
+            book.back(out)
         return out
 
     @property

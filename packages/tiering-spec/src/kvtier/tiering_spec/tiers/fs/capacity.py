@@ -146,16 +146,7 @@ class TierCapacity:
         started = None if job.op != "write" else self._submit_writes(job.items)
         if started is None:
             return super().submit(job)  # type: ignore[misc, no-any-return]
-        book = self._job_book()
-        by_item, op = book.by_item, job.op
-        count = 0
-        for (key, _digest, _block), ok in zip(job.items, started):
-            if ok:  # (JobBook.started, inline: every write of every job)
-                by_item[(op, key)] = job
-                count += 1
-        if count:
-            job.left += count
-            book.open[job.id] = job
+        self._job_book().started(job, [item[0] for item, ok in zip(job.items, started) if ok])
         return started
 
     def _submit_writes(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool] | None:

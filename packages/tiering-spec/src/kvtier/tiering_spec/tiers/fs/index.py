@@ -40,6 +40,7 @@ class FsIndex:
         self.reserved = 0
         self._entries: dict[bytes, FsEntry] = {}
         self._policy = make_policy(policy, max(1, capacity_entries))
+        self._insert_each = getattr(self._policy, "insert_each", None)
         # Raised whenever a digest is added or removed: equal counts, the same digests.
         self.changes = 0
 
@@ -54,19 +55,16 @@ class FsIndex:
 
     def add(self, digest: bytes, key: bytes | None) -> None:
         """Index ``digest`` (not indexed yet), the newest entry."""
-        self._entries[digest] = FsEntry(self.entry_bytes, key)
-        self.changes += 1
-        self.used += self.entry_bytes
-        self._policy.insert([digest])
+        self.add_all(((digest, key),))
 
     def add_all(self, entries: Sequence[tuple[bytes, bytes | None]]) -> None:
-        """:meth:`add` each (digest, key) of ``entries`` (none indexed yet), in order."""
+        """:meth:`add` each (digest, key) of ``entries`` (none indexed yet), in order:
+        the policy sees each stored on its own."""
         table, nbytes = self._entries, self.entry_bytes
         for digest, key in entries:
             table[digest] = FsEntry(nbytes, key)
-        insert_each = getattr(self._policy, "insert_each", None)  # (frecency's: one call)
-        if insert_each is not None:
-            insert_each([digest for digest, _key in entries])
+        if self._insert_each is not None:  # (frecency's: one call)
+            self._insert_each([digest for digest, _key in entries])
         else:
             insert = self._policy.insert
             for digest, _key in entries:
