@@ -20,8 +20,10 @@ class Manager:
         self.changes = 0
         self.counts = [0, 0]
         self.memo_ok = True
+        self.state_reads = 0
 
     def lookup_state(self) -> Any:
+        self.state_reads += 1
         if not self.memo_ok:
             return None
         return ("pool", self.changes), tuple(self.counts)
@@ -79,11 +81,31 @@ def test_an_unchanged_lookup_is_answered_again_and_counted_as_asked() -> None:
     req = status()
     assert scheduler._lookup(req, None) == 32
     assert scheduler.manager.counts == [4, 2]
+    assert scheduler._lookup(req, None) == 32  # the ask the memo keeps
+    assert scheduler.asked == 2 and scheduler.manager.counts == [8, 4]
     req.partial_tail_boundary = 7  # (vLLM's lookup sets it: None without tails)
     assert scheduler._lookup(req, None) == 32
-    assert scheduler.asked == 1 and scheduler.kvtier_repeated_lookups == 1
-    assert scheduler.manager.counts == [8, 4]
+    assert scheduler.asked == 2 and scheduler.kvtier_repeated_lookups == 1
+    assert scheduler.manager.counts == [12, 6]
     assert req.partial_tail_boundary is None
+
+
+def test_a_first_ask_reads_nothing_more_than_vllms_lookup() -> None:
+    """Most requests are asked about once (admitted at once): the memo reads no
+    manager state for them and keeps nothing."""
+    scheduler = installed()
+    for req_id in ("a", "b", "c"):
+        assert scheduler._lookup(status(req_id), None) == 32
+    assert scheduler.asked == 3 and scheduler.manager.state_reads == 0
+    assert scheduler.manager.counts == [12, 6]
+
+
+def asked_twice(scheduler: Scheduler, req: Any, max_new: int | None = None) -> None:
+    """Ask about ``req`` as the memo needs before it answers: a first ask, then the
+    one it keeps."""
+    for _ in range(2):
+        scheduler._lookup(req, max_new)
+    assert scheduler.asked == 2 and scheduler.kvtier_repeated_lookups == 0
 
 
 @pytest.mark.parametrize(
@@ -104,7 +126,7 @@ def test_any_change_to_what_it_reads_asks_again(change: str) -> None:
     scheduler = installed()
     req = status()
     max_new = None
-    assert scheduler._lookup(req, max_new) == 32
+    asked_twice(scheduler, req, max_new)
     if change == "cache":  # a store or an eviction: the manager's answers may differ
         scheduler.manager.changes += 1
         scheduler.hits = 3
@@ -126,7 +148,7 @@ def test_any_change_to_what_it_reads_asks_again(change: str) -> None:
     elif change == "events":
         scheduler._events_tracker.self_describing_enabled = True
     scheduler._lookup(req, max_new)
-    assert scheduler.asked == 2 and scheduler.kvtier_repeated_lookups == 0
+    assert scheduler.asked == 3 and scheduler.kvtier_repeated_lookups == 0
 
 
 def test_a_pending_answer_or_a_manager_that_cannot_tell_is_never_kept() -> None:
@@ -147,9 +169,9 @@ def test_a_pending_answer_or_a_manager_that_cannot_tell_is_never_kept() -> None:
     manager = Manager()
     manager.memo_ok = False  # (kvtier's manager with a secondary tier)
     other = installed(manager=manager)
-    other._lookup(req, None)
-    other._lookup(req, None)
-    assert other.asked == 2 and other.kvtier_repeated_lookups == 0
+    for _ in range(3):
+        other._lookup(req, None)
+    assert other.asked == 3 and other.kvtier_repeated_lookups == 0
 
 
 def test_a_lookup_that_changes_the_cache_is_asked_again() -> None:
@@ -164,19 +186,19 @@ def test_a_lookup_that_changes_the_cache_is_asked_again() -> None:
     scheduler._lookup = promoting  # type: ignore[method-assign]
     assert lookup_memo.install(scheduler)
     req = status()
-    scheduler._lookup(req, None)
-    scheduler._lookup(req, None)
+    for _ in range(3):
+        scheduler._lookup(req, None)
     assert scheduler.kvtier_repeated_lookups == 0
 
 
 def test_requests_are_remembered_apart() -> None:
     scheduler = installed()
     a, b = status("a"), status("b", keys=6)
-    for _ in range(2):
+    for _ in range(3):
         assert scheduler._lookup(a, None) == 32
         assert scheduler._lookup(b, None) == 32
-    assert scheduler.asked == 2 and scheduler.kvtier_repeated_lookups == 2
-    assert scheduler.manager.counts == [20, 8]
+    assert scheduler.asked == 4 and scheduler.kvtier_repeated_lookups == 2
+    assert scheduler.manager.counts == [30, 12]
 
 
 @pytest.mark.parametrize("shape", ["windows", "tails", "params", "manager"])

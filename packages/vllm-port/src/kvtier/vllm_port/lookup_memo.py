@@ -24,7 +24,9 @@ last ask for the same request:
   probes, or with a key refused for a while) is asked every time, and so is one
   without the method.
 
-vLLM's lookup is called as before when its hit chunks may be loading
+A request's first ask goes to vLLM's lookup with nothing read or kept (most requests
+are admitted on their first ask); the memo keeps its second ask's answer and answers
+the third on. vLLM's lookup is called as before when its hit chunks may be loading
 (``_chunks_being_loaded``), when its events tracker records lookups (self-describing KV
 events), and whenever the last answer was "ask again later" (None). It is installed only
 where vLLM's ``_lookup`` takes ``(req_status, max_num_new_tokens)``, the model has no
@@ -71,9 +73,18 @@ def install(scheduler: Any) -> bool:
     tracker = getattr(scheduler, "_events_tracker", None)
     # request id -> (its state object, what the lookup read, the answer, counter moves)
     memos: dict[str, tuple[Any, tuple[Any, ...], int, tuple[int, ...]]] = {}
+    asked: set[str] = set()  # requests asked about once (whose next ask is remembered)
 
     def _lookup(req_status: Any, max_num_new_tokens: int | None = None) -> int | None:
         if scheduler._chunks_being_loaded or getattr(tracker, "self_describing_enabled", True):
+            return vllm_lookup(req_status, max_num_new_tokens)
+        req_id = req_status.req.request_id
+        if req_id not in asked:
+            # A first ask (most requests are admitted on it): nothing to answer it from,
+            # and nothing kept; the memo starts with the second.
+            if len(asked) >= MAX_MEMOS:
+                asked.clear()
+            asked.add(req_id)
             return vllm_lookup(req_status, max_num_new_tokens)
         before = state()
         if before is None:
@@ -88,7 +99,6 @@ def install(scheduler: Any) -> bool:
             [len(group.offload_keys) for group in req_status.group_states],
             version,
         )
-        req_id = req.request_id
         memo = memos.get(req_id)
         if memo is not None and memo[0] is req_status and memo[1] == read:
             recount(memo[3])
