@@ -23,6 +23,16 @@ It is installed only where vLLM's code is one this planner was written against a
 checked with (:data:`KNOWN_SOURCES`: digests of the source of ``_build_store_jobs``
 and of the helpers whose rules it inlines, for vLLM 0.32.0 and 0.33.0); with any
 other source, vLLM's planner runs unchanged.
+
+One thing it does otherwise, on purpose: a store the manager refuses for lack of room
+(vLLM tries it again at the next step) is logged by vLLM's planner as a warning, for
+every request, every time. Under write-back pressure (host blocks held until a
+secondary tier has written them) that is most requests of a burst, each warning
+costing the scheduler's thread more than the planning. Here the first refusal is
+vLLM's warning, followed by a line saying where the others go: the debug level, vLLM's
+``vllm:kv_offload_allocation_failure`` counter (counted as vLLM counts it) and, at
+most once every ``REFUSALS_LOG_INTERVAL_S`` seconds, a warning with their number
+(:class:`Refusals`).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import hashlib
 import inspect
 import logging
 import sys
+import time
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -44,6 +55,45 @@ KNOWN_SOURCES = frozenset(
         "7a31335222b3d46c358a147f108675a66e2c9cfb4e9fdecb95597dacffc7e23f",  # vLLM 0.33.0
     }
 )
+
+
+# At most one warning in this many seconds sums up the stores refused for lack of room.
+REFUSALS_LOG_INTERVAL_S = 60.0
+
+
+class Refusals:
+    """The log lines of stores a manager refused for lack of room (see the module)."""
+
+    __slots__ = ("_since", "_vllm_logger", "count")
+
+    def __init__(self, vllm_logger: logging.Logger) -> None:
+        self._vllm_logger = vllm_logger
+        self._since: float | None = None  # when the last warning was logged
+        self.count = 0  # refusals since then
+
+    def refused(self, req_id: str) -> None:
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+            self._vllm_logger.warning("Request %s: cannot store chunks", req_id)
+            # (No argument: a lone one is checked against Mapping, slowly the first time.)
+            logger.warning(
+                "kvtier: stores the offloading manager refuses for lack of room are tried "
+                "again at the next step; further refusals are logged at debug level, "
+                "counted in vllm:kv_offload_allocation_failure and summed up here at most "
+                f"once every {REFUSALS_LOG_INTERVAL_S:.0f} s"
+            )
+            return
+        self.count += 1
+        self._vllm_logger.debug("Request %s: cannot store chunks", req_id)
+        if now - self._since >= REFUSALS_LOG_INTERVAL_S:
+            logger.warning(
+                "kvtier: %d stores refused for lack of room in the offloading manager in "
+                "the last %.0f s (each tried again at the next step)",
+                self.count,
+                now - self._since,
+            )
+            self._since, self.count = now, 0
 
 
 def _sources(cls: type) -> list[Any] | None:
@@ -164,6 +214,7 @@ def planner(scheduler: Any) -> Callable[[Any], dict[int, Any]]:
     # vLLM's record_store returns at once unless self-describing events are on.
     describing = bool(getattr(tracker, "self_describing_enabled", True))
     manager = scheduler.manager
+    refusals = Refusals(vllm_logger)
 
     def plan(scheduler_output: Any) -> dict[int, Any]:
         store_jobs: dict[int, Any] = {}
@@ -213,7 +264,7 @@ def planner(scheduler: Any) -> Callable[[Any], dict[int, Any]]:
             store_output = manager.prepare_store(new_keys, status.req_context)
             if store_output is None:
                 scheduler._connector_stats.increase_counter(allocation_failure)
-                vllm_logger.warning("Request %s: cannot store chunks", req_id)
+                refusals.refused(req_id)
                 continue
             if not store_output.keys_to_store:
                 status.advance_stored_idx(num_offloadable)
@@ -289,7 +340,9 @@ def planner(scheduler: Any) -> Callable[[Any], dict[int, Any]]:
 
 __all__ = [
     "KNOWN_SOURCES",
+    "REFUSALS_LOG_INTERVAL_S",
     "Reduced",
+    "Refusals",
     "finished_statuses",
     "install",
     "plain_model",
