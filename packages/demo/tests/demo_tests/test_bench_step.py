@@ -121,3 +121,26 @@ def test_one_run_reports_every_connector_beside_the_anchor(tmp_path: Path) -> No
         assert "build_connector_meta" in runs[name]["methods"], name
     assert any(g["goal"].startswith("room-8: kvtier-host") for g in report["goals"])
     assert report["timer_ns"]["own"] > 0
+
+
+@requires_vllm
+def test_the_warm_up_leaves_nothing_cached_for_the_workload(tiny_model: Path) -> None:
+    """Its requests ran (the connector stored their blocks), then every cache was
+    emptied: a workload starts as on a fresh engine, with its code paths warm."""
+    from kvtier.testkit import free_llm, kv_transfer_config, make_llm
+    from kvtier.testkit.engine import kv_connector_of
+
+    wl = bench_step.workloads()[0]
+    kv = bench_step.connector_config("kvtier-host", wl, "")
+    assert kv is not None
+    engine: dict[str, Any] = {**bench_step.ENGINE, "max_num_seqs": 8}
+    llm = make_llm(tiny_model, **engine, kv_transfer_config=kv_transfer_config(kv))
+    try:
+        core = kv_connector_of(llm).connector_scheduler.manager.core
+        before = core.pool
+        bench_step.warm_up(llm)
+        assert before.num_cached > 0, "the warm-up's requests stored their blocks"
+        assert core.pool is not before, "the connector's cache was reset"
+        assert core.pool.num_cached == 0 and core.pool.num_storing == 0
+    finally:
+        free_llm(llm)
