@@ -79,6 +79,16 @@ def test_an_admission_counts_the_step_that_allocated_it_and_the_one_that_schedul
     assert bench_step.summarize(rec)["sched_us"]["per_admitted"] == 40.0
 
 
+def engine_of(model: Path, name: str) -> Any:
+    """An engine as the benchmark makes one for connector ``name`` (room-8's config)."""
+    from kvtier.testkit import kv_transfer_config, make_llm
+
+    kv = bench_step.connector_config(name, bench_step.workloads()[0], "")
+    assert kv is not None
+    engine: dict[str, Any] = {**bench_step.ENGINE, "max_num_seqs": 8}
+    return make_llm(model, **engine, kv_transfer_config=kv_transfer_config(kv))
+
+
 @requires_vllm
 def test_the_anchor_is_vllms_own_connector_and_manager(tiny_model: Path) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -86,15 +96,11 @@ def test_the_anchor_is_vllms_own_connector_and_manager(tiny_model: Path) -> None
     )
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-    from kvtier.testkit import free_llm, kv_transfer_config, make_llm
+    from kvtier.testkit import free_llm
     from kvtier.testkit.engine import kv_connector_of
 
     bench_step._register_anchor_connector()
-    wl = bench_step.workloads()[0]
-    kv = bench_step.connector_config("vllm", wl, "")
-    assert kv is not None
-    engine: dict[str, Any] = {**bench_step.ENGINE, "max_num_seqs": 8}
-    llm = make_llm(tiny_model, **engine, kv_transfer_config=kv_transfer_config(kv))
+    llm = engine_of(tiny_model, "vllm")
     try:
         connector = kv_connector_of(llm)
         assert type(connector) is OffloadingConnector, type(connector).__mro__
@@ -127,14 +133,10 @@ def test_one_run_reports_every_connector_beside_the_anchor(tmp_path: Path) -> No
 def test_the_warm_up_leaves_nothing_cached_for_the_workload(tiny_model: Path) -> None:
     """Its requests ran (the connector stored their blocks), then every cache was
     emptied: a workload starts as on a fresh engine, with its code paths warm."""
-    from kvtier.testkit import free_llm, kv_transfer_config, make_llm
+    from kvtier.testkit import free_llm
     from kvtier.testkit.engine import kv_connector_of
 
-    wl = bench_step.workloads()[0]
-    kv = bench_step.connector_config("kvtier-host", wl, "")
-    assert kv is not None
-    engine: dict[str, Any] = {**bench_step.ENGINE, "max_num_seqs": 8}
-    llm = make_llm(tiny_model, **engine, kv_transfer_config=kv_transfer_config(kv))
+    llm = engine_of(tiny_model, "kvtier-host")
     try:
         core = kv_connector_of(llm).connector_scheduler.manager.core
         before = core.pool
