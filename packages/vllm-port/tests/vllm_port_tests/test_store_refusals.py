@@ -23,9 +23,11 @@ def test_the_first_refusal_warns_and_the_rest_are_summed_up_once_an_interval(
 ) -> None:
     clock = Clock()
     monkeypatch.setattr(store_jobs.time, "monotonic", clock)
-    vllm_logger = logging.getLogger("vllm.test_store_refusals")
+    # (A logger of its own: vLLM's logging config, once imported, sets its loggers' level.)
+    vllm_logger = logging.getLogger("kvtier_tests.vllm_scheduler")
     refusals = store_jobs.Refusals(vllm_logger)
-    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger=vllm_logger.name)
+    caplog.set_level(logging.DEBUG, logger=store_jobs.logger.name)
 
     refusals.refused("r0")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
