@@ -85,13 +85,15 @@ class JobBook:
         self.by_item: dict[tuple[str, bytes], TierJob] = {}
         self.open: dict[int, TierJob] = {}
 
-    def started(self, job: TierJob, keys: Iterable[bytes]) -> None:
-        """Items ``keys`` of ``job`` started."""
+    def started(self, job: TierJob, started: Iterable[bool]) -> None:
+        """The items of ``job`` whose flag in ``started`` (one per item, in order) is
+        true started."""
         by_item, op = self.by_item, job.op
         count = 0
-        for key in keys:
-            by_item[(op, key)] = job
-            count += 1
+        for (key, _digest, _block), ok in zip(job.items, started):
+            if ok:
+                by_item[(op, key)] = job
+                count += 1
         if count:
             job.left += count
             self.open[job.id] = job
@@ -226,7 +228,7 @@ class SecondaryTier(ABC):
         (each labelled ``job.id``)."""
         start = self.submit_read if job.op == "read" else self.submit_write
         started = [start(key, digest, block_id) for key, digest, block_id in job.items]
-        self._job_book().started(job, [item[0] for item, ok in zip(job.items, started) if ok])
+        self._job_book().started(job, started)
         return started
 
     def results(self) -> list[TierResult]:

@@ -146,7 +146,7 @@ class TierCapacity:
         started = None if job.op != "write" else self._submit_writes(job.items)
         if started is None:
             return super().submit(job)  # type: ignore[misc, no-any-return]
-        self._job_book().started(job, [item[0] for item, ok in zip(job.items, started) if ok])
+        self._job_book().started(job, started)
         return started
 
     def _submit_writes(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool] | None:
