@@ -101,3 +101,48 @@ def test_a_store_ending_in_a_step_that_moves_nothing_is_reported(
     assert steps[done][1] == 1, f"the store was reported only when the request ended: {steps}"
     if quiet["steps"] == 0 and hasattr(worker, "_quiet_step"):
         pytest.fail("no step took the quiet path: the test no longer checks it")
+
+
+def test_a_step_that_finishes_requests_and_moves_nothing_answers_as_vllm(
+    tiny_model: Path,
+) -> None:
+    """Requests that end while others decode: where vLLM's worker ignores the finished
+    requests (0.32 and later track stores through the worker metadata), such a step
+    takes the quick path, and vLLM's own code, asked the same, reports nothing."""
+    kv = offload_config("CPUOffloadingSpec", host_chunks=16)
+    # Four requests ending one after another (8, 16, 24, 32 tokens generated).
+    prompts = tuple(tuple(range(11 + 100 * i, 11 + 100 * i + 64)) for i in range(4))
+    llm = make_llm(tiny_model, **ENGINE, kv_transfer_config=testkit.kv_transfer_config(kv))
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector as vllms,
+        )
+
+        worker = get_kv_transfer_group()
+        answer = worker.get_transfer_results
+        seen = {"finishing": 0, "quick": 0}
+
+        def results(finished_req_ids: set[str]) -> Any:
+            if finished_req_ids:
+                seen["finishing"] += 1
+                if worker._quiet(finished_req_ids):
+                    seen["quick"] += 1
+                    theirs = vllms.get_transfer_results(worker, set(finished_req_ids))
+                    assert not theirs.finished_sending and not theirs.finished_recving
+            return answer(finished_req_ids)
+
+        worker.get_transfer_results = results
+        for i, prompt in enumerate(prompts):
+            llm.llm_engine.add_request(
+                str(i), {"prompt_token_ids": list(prompt)}, testkit.greedy_params(8 * (i + 1))
+            )
+        while llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
+    finally:
+        free_llm(llm)
+    assert seen["finishing"] >= 3, seen
+    if not worker._reads_finished_reqs:
+        assert seen["quick"] >= 1, f"no step that finished requests took the quick path: {seen}"
+    else:
+        assert seen["quick"] == 0, seen

@@ -97,3 +97,34 @@ def test_layer_hooks_idle_only_where_both_hooks_do_nothing() -> None:
     assert not reads.layer_hooks_idle(Saves)
     assert not reads.layer_hooks_idle(Waits)
     assert not reads.layer_hooks_idle(object), "no hooks: not known to be idle"
+
+
+def test_reads_argument_finds_every_read_of_it() -> None:
+    def forwards(self: object, finished_req_ids: set[str]) -> object:
+        return finished_req_ids
+
+    def ignores(self: object, finished_req_ids: set[str]) -> object:
+        done: set[str] = set()
+        return done
+
+    def in_closure(self: object, finished_req_ids: set[str]) -> object:
+        return lambda: finished_req_ids
+
+    def through_locals(self: object, finished_req_ids: set[str]) -> object:
+        return locals()
+
+    def rebinds(self: object, finished_req_ids: set[str]) -> object:
+        finished_req_ids = set()
+        return finished_req_ids
+
+    def keyword(self: object, *, finished_req_ids: set[str]) -> object:
+        return len(finished_req_ids)
+
+    name = "finished_req_ids"
+    assert not reads.reads_argument(ignores, name)
+    for fn in (forwards, in_closure, through_locals, rebinds, keyword):
+        assert reads.reads_argument(fn, name), fn.__name__
+    # Not known: no such argument, no plain function.
+    assert reads.reads_argument(ignores, "other")
+    assert reads.reads_argument(len, name)
+    assert reads.reads_argument(None, name)

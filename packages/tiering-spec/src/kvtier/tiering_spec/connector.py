@@ -113,6 +113,11 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         self._results_type: Any = None  # vLLM's KVConnectorTransferResults, once seen
         self._layer_hooks_idle = connector_reads.layer_hooks_idle(type(self))
         worker = getattr(self, "connector_worker", None)
+        # Whether vLLM's worker reads the requests that finished in a step (releases
+        # before 0.32 report them as finished sending once their stores are done).
+        self._reads_finished_reqs = worker is None or connector_reads.reads_argument(
+            getattr(type(worker), "get_finished", None), "finished_req_ids"
+        )
         spec = getattr(worker, "spec", None)
         if isinstance(spec, _KvtierSpec):
             spec.failures_reported = True
@@ -158,10 +163,11 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
     def _quiet(self, finished_req_ids: set[str]) -> bool:
         """Whether this worker has nothing to submit or report (most steps): vLLM's
         ``get_finished`` would then find no finished job and report nothing. Not on a
-        step that finished requests (releases before 0.32 report those as finished
-        sending once their stores are done), nor on one that planned stores (releases
-        before 0.32 queue them in ``get_finished``). Known at bind on a quiet step."""
-        if finished_req_ids:
+        step that finished requests where vLLM's worker reads them (releases before 0.32
+        report those as finished sending once their stores are done), nor on one that
+        planned stores (releases before 0.32 queue them in ``get_finished``). Known at
+        bind on a quiet step."""
+        if finished_req_ids and self._reads_finished_reqs:
             return False
         if self._quiet_step:
             return True

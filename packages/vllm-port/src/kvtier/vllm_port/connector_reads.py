@@ -102,12 +102,34 @@ def layer_hooks_idle(cls: type) -> bool:
     )
 
 
+def reads_argument(fn: Any, name: str) -> bool:
+    """Whether the plain function ``fn`` reads its argument ``name``: any instruction of
+    its body that names it, other than storing it, counts, as does a nested function
+    that uses it or a call of ``locals``; True where ``fn`` has no such argument or is
+    no plain function (it cannot tell). vLLM 0.32's offloading worker takes the
+    requests that finished in a step in ``get_finished`` and never reads them."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return True
+    args = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    if name not in args or name in code.co_cellvars or "locals" in code.co_names:
+        return True
+    for ins in dis.get_instructions(code):
+        if ins.opname == "STORE_FAST":
+            continue
+        value = ins.argval
+        if value == name or (isinstance(value, tuple) and name in value):
+            return True
+    return False
+
+
 __all__ = [
     "additional_config",
     "block_hashes",
     "kv_load_failure_policy",
     "layer_hooks_idle",
     "num_gpu_blocks",
+    "reads_argument",
     "recompute_failed_loads",
     "resumed_req_ids",
     "worker_meta",
