@@ -76,11 +76,18 @@ class TierJobs:
             return
         queued, self._queued = self._queued, {}
         pool = self.pool
-        for (idx, op, request), items in queued.items():
-            job = TierJob(next(self._job_ids), op, request, items)
+        jobs = [
+            (idx, TierJob(next(self._job_ids), op, request, items))
+            for (idx, op, request), items in queued.items()
+        ]
+        together = self._submit_writes_together(jobs) if len(jobs) > 1 else {}
+        for idx, job in jobs:
+            op, request, items = job.op, job.request, job.items
             tier = self.secondary_tiers[idx]
             refused_before = tier.stats.writes_dropped
-            started = tier.submit(job)
+            started = together.get(job.id)
+            if started is None:
+                started = tier.submit(job)
             self.counters.jobs_submitted += 1
             if op == "write":
                 drops = self._write_drops.pop((idx, request), 0) if self._write_drops else 0
@@ -103,6 +110,24 @@ class TierJobs:
                     self._refused[key] = self._step
                 else:
                     pool.release([key], Hold.TIER_WRITE)
+
+    def _submit_writes_together(self, jobs: list[tuple[int, TierJob]]) -> dict[int, list[bool]]:
+        """Each tier's write jobs of ``jobs``, where it has several, submitted together
+        (``SecondaryTier.submit_all``): the started flags by job id of those it took.
+        Each job is still its own: its id, items, results and counters."""
+        writes: dict[int, list[TierJob]] = {}
+        for idx, job in jobs:
+            if job.op == "write":
+                writes.setdefault(idx, []).append(job)
+        out: dict[int, list[bool]] = {}
+        for idx, group in writes.items():
+            # (A tier of another package that has no submit_all takes them one by one.)
+            submit_all = getattr(self.secondary_tiers[idx], "submit_all", None)
+            if len(group) > 1 and submit_all is not None:
+                started = submit_all(group)
+                if started is not None:
+                    out.update(zip((job.id for job in group), started))
+        return out
 
     # ------------------------------------------------------------------ completion
 

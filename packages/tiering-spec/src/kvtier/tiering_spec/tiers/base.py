@@ -98,6 +98,18 @@ class JobBook:
             job.left += count
             self.open[job.id] = job
 
+    def started_all(self, jobs: Sequence[TierJob], started: Sequence[bool]) -> list[list[bool]]:
+        """:meth:`started` of each of ``jobs``, whose flags follow each other in
+        ``started`` (one per item, the jobs in order); each job's flags."""
+        out: list[list[bool]] = []
+        at = 0
+        for job in jobs:
+            flags = list(started[at : at + len(job.items)])
+            at += len(flags)
+            self.started(job, flags)
+            out.append(flags)
+        return out
+
     def back(self, results: Iterable[TierResult]) -> None:
         """``results`` came back: label each with its job's id (0: of no job) and count
         its item off its job, which leaves the book once finished."""
@@ -230,6 +242,12 @@ class SecondaryTier(ABC):
         started = [start(key, digest, block_id) for key, digest, block_id in job.items]
         self._job_book().started(job, started)
         return started
+
+    def submit_all(self, jobs: Sequence[TierJob]) -> list[list[bool]] | None:
+        """Start ``jobs`` (a step's write jobs for this tier) together, as :meth:`submit`
+        of each in turn would: each job's started flags. None, starting nothing, where
+        the tier cannot (the default: its caller submits them one by one)."""
+        return None
 
     def results(self) -> list[TierResult]:
         """What :meth:`poll` returns, each result labelled with the id of its job (0: of

@@ -149,6 +149,18 @@ class TierCapacity:
         self._job_book().started(job, started)
         return started
 
+    def submit_all(self, jobs: Sequence[TierJob]) -> list[list[bool]] | None:
+        """A step's write jobs reserve their room together and go to the write threads
+        in one task per thread: what submitting them in turn starts, with one eviction
+        call and one hand-over for all (:meth:`_submit_writes`). None, changing nothing,
+        where some are no write jobs or they do not all fit at once."""
+        if any(job.op != "write" for job in jobs):
+            return None
+        started = self._submit_writes([item for job in jobs for item in job.items])
+        if started is None:
+            return None
+        return self._job_book().started_all(jobs, started)
+
     def _submit_writes(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool] | None:
         """Start the write of every item (key, digest, host block) not already indexed,
         written or being removed, with the room for all of them made at once (the same
