@@ -1,4 +1,5 @@
-"""A step's write jobs taken by an fs tier together: what submitting them in turn does."""
+"""A step's write jobs taken by an fs tier together, and the writes that land in one
+poll applied together: what taking them one at a time does."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from kvtier.blockpool import Hold, HostBlockPool
 from kvtier.tiering_spec.manager import TierManager
+from kvtier.tiering_spec.tiers.base import TierFault
 from kvtier.tiering_spec.tiers.fs import format as fs_format
 from kvtier.tiering_spec.tiers.fs.format import key_digest
 
@@ -115,3 +117,68 @@ def test_a_steps_write_jobs_start_together_as_one_by_one(make_tier, tmp_path) ->
         assert res.ok, res
         seed = int.from_bytes(key_digest(key)[:4], "little")
         assert region.block(0, 0) == (seed.to_bytes(4, "little") * (PAYLOAD // 4))[:PAYLOAD]
+
+
+def _index_order(tier: Any) -> list[bytes]:
+    """The tier's entries in the order its policy evicts them (empties the index)."""
+    index = tier._index
+    evicted = index.make_room(index.used, index.used + index.reserved, lambda digest: False)
+    assert evicted is not None and len(evicted) == len(index) + len(evicted)
+    return [digest for digest, _entry in evicted]
+
+
+def test_writes_that_land_together_are_applied_as_one_at_a_time(make_tier, tmp_path) -> None:
+    """Twin fs tiers write the same jobs (one write thread each; some writes take over
+    evicted files); one takes every result in one poll, the other one result a poll,
+    with a failed write and a write naming no digest among them: the same results in
+    the same order, index and eviction order, counters, events and reservations."""
+    entry = fs_format.HEADER_SIZE + PAYLOAD
+    twins = []
+    for name in ("together", "one-at-a-time"):
+        region = Region(16)
+        tier = make_tier(region, root=tmp_path / name, capacity=12 * entry, threads=1)
+        for start in range(0, 24, 4):
+            items = [(b"w%d" % i, key_digest(b"w%d" % i), i % 16) for i in range(start, start + 4)]
+            assert tier._submit_writes(items) is not None
+            if start < 12:  # (the tier fills up; the writes after it take over files)
+                assert tier.drain(20)
+                tier.poll()
+        assert tier.drain(20)
+        twins.append(tier)
+    pending = [list(tier._results) for tier in twins]
+    assert [(r.op, r.key) for r in pending[0]] == [(r.op, r.key) for r in pending[1]]
+    assert len(pending[0]) == 12
+    for results in pending:
+        for i, res in enumerate(results):
+            res.seconds = i / 1000  # (measured: made equal for the twins)
+        first_write = next(i for i, r in enumerate(results) if r.op == "write")
+        failed = results[first_write + 2]
+        failed.ok, failed.fault, failed.nbytes = False, TierFault.WRITE_FAILED, 0
+        results[first_write + 5].digest = None
+    together, alone = twins
+    for tier in twins:
+        tier.stats.write_seconds = 0.0  # (the writes polled before were measured)
+    out_together = together.poll()
+    alone._results.clear()
+    out_alone = []
+    for res in pending[1]:
+        alone._results.append(res)
+        out_alone += alone.poll()
+    assert [(r.op, r.key, r.ok) for r in out_together] == [(r.op, r.key, r.ok) for r in out_alone]
+
+    def state(tier: Any) -> tuple[object, ...]:
+        return (
+            vars(tier.stats).copy(),
+            tier.faults(),
+            tier._inflight,
+            sorted(tier._writing),
+            tier._index.reserved,
+            tier._index.used,
+            dict(tier._unlinking),
+            tier.take_events(),
+        )
+
+    assert state(together) == state(alone)
+    assert together.stats.writes == 23 and together.stats.files_reused >= 8
+    order = _index_order(together)
+    assert len(order) == 11 and order == _index_order(alone)

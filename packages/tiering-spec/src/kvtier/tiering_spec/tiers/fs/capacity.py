@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.tiering_spec.errors import ConfigError
 from kvtier.tiering_spec.tiers.base import JobBook, TierFault, TierJob, TierResult, TierStats
-from kvtier.tiering_spec.tiers.fs.format import HEADER_SIZE
+from kvtier.tiering_spec.tiers.fs.format import HEADER_SIZE, key_digest
 from kvtier.tiering_spec.tiers.fs.index import FsCapacity, FsIndex
 from kvtier.tiering_spec.tiers.fs.pool import IoThreads
 
@@ -63,6 +63,8 @@ class TierCapacity:
     if TYPE_CHECKING:
 
         def _unlink(self, digest: bytes) -> None: ...
+
+        def _unlinked(self, digest: bytes) -> None: ...
 
         def _fault(self, kind: TierFault, res: TierResult) -> None: ...
 
@@ -203,6 +205,39 @@ class TierCapacity:
         for start in range(0, len(writes), per):
             self._io.put("write", self._write_tasks, writes[start : start + per], views)
         return started
+
+    def _writes_landed(
+        self, written: Sequence[TierResult], out: list[TierResult], *, reserved: bool = True
+    ) -> None:
+        """Apply writes that succeeded (``poll``, in the order they landed), together:
+        what applying each alone does. Each ends its write and its room's reservation
+        (with ``reserved`` False, the caller ended them), indexes its entry, a KV event
+        where enabled, its counters; each is handed back in ``out``."""
+        if reserved:
+            self._inflight -= len(written)
+            digests = [res.digest for res in written]
+            self._writing.difference_update(digests)
+            reusing = self._reusing
+            if reusing:
+                for digest in digests:
+                    reused = reusing.pop(digest, None)  # type: ignore[arg-type]
+                    if reused is not None:
+                        self._unlinked(reused)
+            self._index.reserved -= len(written) * self.entry_bytes
+        entries = [(res.digest or key_digest(res.key), res.key) for res in written]
+        if self._retried:
+            self._retried.difference_update(digest for digest, _key in entries)
+        self._index.add_all(entries)
+        if self.enable_events:
+            self._events.extend((False, [res.key]) for res in written)
+        stats = self.stats
+        stats.writes += len(written)
+        nbytes, seconds = stats.write_bytes, stats.write_seconds
+        for res in written:  # (in order: the same sums as one at a time)
+            nbytes += res.nbytes
+            seconds += res.seconds
+        stats.write_bytes, stats.write_seconds = nbytes, seconds
+        out.extend(written)
 
     def _forget(self, digest: bytes, key: bytes | None, unlink: bool) -> None:
         """Drop ``digest`` from the index (a KV event where enabled), removing its

@@ -393,14 +393,19 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         if self._free_seen is not None and self._capacity.lowered:
             self._regrow()
         out: list[TierResult] = []
-        results, index, stats = self._results, self._index, self.stats
+        results, stats = self._results, self.stats
         writing, reusing, reading = self._writing, self._reusing, self._reading
-        events = self._events if self.enable_events else None
-        added: list[tuple[bytes, bytes]] = []  # written entries, indexed in order at once
+        written: list[TierResult] = []  # writes that succeeded, applied together in order
         while results:
             res = results.popleft()
-            self._inflight -= 1
             op = res.op
+            if op == "write" and res.ok and res.digest is not None:
+                written.append(res)  # (most results)
+                continue
+            if written:  # (a fault may evict or forget entries: index those written first)
+                self._writes_landed(written, out)
+                written = []
+            self._inflight -= 1
             if op == "unlink":
                 self._unlinked(res.key)
                 continue
@@ -410,21 +415,16 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
                 reused = reusing.pop(digest, None) if reusing else None
                 if reused is not None:
                     self._unlinked(reused)
-                index.reserved -= self.entry_bytes
-                if res.ok:
-                    self._retried.discard(digest)
-                    added.append((digest, res.key))
-                    if events is not None:
-                        events.append((False, [res.key]))
+                self._index.reserved -= self.entry_bytes
+                if res.ok:  # (a write whose result names no digest)
+                    self._writes_landed([res], out, reserved=False)
+                    continue
             else:
                 count_down(reading, digest)
             if res.ok:
                 stats.record(res)
                 out.append(res)
                 continue
-            if added:  # (a fault may evict or forget entries: index those written first)
-                index.add_all(added)
-                added = []
             if op == "write":
                 if res.fault == TierFault.DISK_FULL and self._retry_on_full_disk(res, digest):
                     continue
@@ -435,8 +435,8 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
                 # may be another process's, so it is only forgotten.
                 self._forget(digest, res.key, unlink=res.fault in _REMOVED_FAULTS)
             out.append(res)
-        if added:
-            index.add_all(added)
+        if written:
+            self._writes_landed(written, out)
         self.stats.used_bytes = self._index.used
         self.stats.entries = len(self._index)
         return out
@@ -459,7 +459,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
                 "" if res.op == "read" else "(dropped)",
                 fs_format.key_digest(res.key).hex(),
                 kind,
-                kind,
+                str(kind),  # (the metric's label: 'write_failed', not the enum's repr)
             )
 
     def _timed_out(self, what: str) -> None:
