@@ -146,3 +146,26 @@ def test_the_warm_up_leaves_nothing_cached_for_the_workload(tiny_model: Path) ->
         assert core.pool.num_cached == 0 and core.pool.num_storing == 0
     finally:
         free_llm(llm)
+
+
+def test_the_steady_profile_compares_the_costliest_steps_with_the_middle_ones() -> None:
+    """With --breakdown, each step's method times are kept: the steps that admit nothing
+    are ranked by their scheduler side, and each method's mean over the costliest 15% is
+    set beside its mean over the middle fifth."""
+    rec = bench_step.StepRecorder()
+    rec.scheduler.in_step = rec.manager.in_step = {}
+    costs = [10_000 + 1_000 * i for i in range(20)]  # step i: 10 + i µs
+    rec.schedule_calls = [(50_000, c, 8) for c in costs] + [(50_000, 900_000, 8)]
+    rec.update_calls = [(1_000, 0)] * 21
+    rec.admitted = [0] * 20 + [3]  # the last step admits: left out
+    rec.allocated = [0] * 21
+    rec.step_methods = [
+        {"build_connector_meta": c, "manager.poll": 5_000 if i >= 17 else 0}
+        for i, c in enumerate(costs)
+    ]
+    rec.scheduler.in_step.update({"build_connector_meta": 900_000})  # the last step's
+    profile = bench_step.summarize(rec)["steady_profile"]
+    assert profile["build_connector_meta"] == [28.0, 19.5]  # steps 17-19; 8-11
+    assert profile["manager.poll"] == [5.0, 0.0]
+    rec.scheduler.in_step = None
+    assert "steady_profile" not in bench_step.summarize(rec), "only with --breakdown"

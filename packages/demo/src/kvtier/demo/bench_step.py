@@ -56,6 +56,11 @@ running at once, room for all on the device: the cost when nothing needs moving)
 ``prefix-N`` (prefixes asked again after the device cache dropped them: lookups,
 loads) and ``preempt-N`` (too few device blocks: preemptions), N in 8, 64, 256.
 
+With ``--breakdown`` the manager's methods are timed too, and for each kvtier run it
+prints where the steady p90 comes from: each method's µs per step over the costliest 15%
+of the steps admitting nothing, beside the middle fifth of them (``steady_profile`` in
+the JSON).
+
 Prints a table per workload, the five costliest kvtier methods in µs per call, the goals
 with their measured values, and the share of a 15 ms and a 30 ms accelerator step each
 connector takes; writes JSON.
@@ -402,6 +407,8 @@ class Side:
     outer_calls: int = 0
     depth: threading.local = field(default_factory=threading.local)
     methods: dict[str, MethodStats] = field(default_factory=dict)
+    # With --breakdown: each method's time in the current step (nested calls included).
+    in_step: dict[str, int] | None = None
 
     def wrap(self, obj: Any, names: tuple[str, ...], prefix: str = "") -> None:
         for name in names:
@@ -434,6 +441,8 @@ class Side:
                 spent = max(spent, 0)
                 stats.calls += 1
                 stats.ns += spent
+                if self.in_step is not None:
+                    self.in_step[label] = self.in_step.get(label, 0) + spent
                 if depth == 0:
                     self.acc += spent
                     self.outer_calls += 1
@@ -508,6 +517,9 @@ class StepRecorder:
     admitted: list[int] = field(default_factory=list)  # requests admitted or resumed, per step
     allocated: list[int] = field(default_factory=list)  # update_state_after_alloc calls, per step
     worker_jobs: list[int] = field(default_factory=list)  # transfer jobs in each step's metadata
+    # With --breakdown: per scheduler step, each scheduler-side and manager method's
+    # time (ns) from its schedule() to the next one (its schedule and update_from_output).
+    step_methods: list[dict[str, int]] = field(default_factory=list)
 
     def attach(self, llm: Any, *, breakdown: bool) -> None:
         from kvtier.testkit import scheduler_of
@@ -524,10 +536,16 @@ class StepRecorder:
         orig_schedule, orig_update = sched.schedule, sched.update_from_output
 
         side = self.scheduler
+        if breakdown:
+            side.in_step = self.manager.in_step = {}
 
         allocs = side.methods.get("update_state_after_alloc") or MethodStats()
 
         def schedule(*args: Any, **kwargs: Any) -> Any:
+            if side.in_step is not None:
+                if self.schedule_calls:  # (the previous step's calls)
+                    self.step_methods.append(dict(side.in_step))
+                side.in_step.clear()
             between = side.take()  # calls outside a step (request arrivals)
             timed_calls = side.outer_calls
             allocs_before = allocs.calls
@@ -647,6 +665,7 @@ def summarize(rec: StepRecorder) -> dict[str, Any]:
     # Admissions: every step that admits or allocates, scheduling tokens or not.
     admitting = [s for s in rec.steps(all_steps=True) if s["admits"]]
     admitted = sum(s["admitted"] for s in admitting)
+    profile = steady_profile(rec) if rec.scheduler.in_step is not None else None
     return {
         "steps": len(steps),
         "vllm_sched_us": {
@@ -683,7 +702,38 @@ def summarize(rec: StepRecorder) -> dict[str, Any]:
             for name, s in side.methods.items()
             if s.calls
         },
+        **({"steady_profile": profile} if profile else {}),
     }
+
+
+STEADY_TOP, STEADY_MIDDLE = 0.85, (0.4, 0.6)
+
+
+def steady_profile(rec: StepRecorder) -> dict[str, list[float]]:
+    """With ``--breakdown``: where the steady p90 comes from. Each method's mean µs per
+    step (nested calls included: a manager method is inside a connector method) over
+    the costliest 15% of the steps that schedule tokens and admit nothing, beside the
+    middle fifth of them: ``{method: [top, middle]}``, the methods with 1 µs or more."""
+    per_step = [*rec.step_methods, dict(rec.scheduler.in_step or {})]
+    rows = []
+    for i, ((_total, conn, tokens), (_ut, uconn), admitted, allocated) in enumerate(
+        zip(rec.schedule_calls, rec.update_calls, rec.admitted, rec.allocated)
+    ):
+        if tokens and not (admitted or allocated) and i < len(per_step):
+            rows.append((conn + uconn, per_step[i]))
+    if len(rows) < MIN_STEPS:
+        return {}
+    rows.sort(key=lambda row: row[0])
+    n = len(rows)
+    top = [m for _, m in rows[int(n * STEADY_TOP) :]]
+    middle = [m for _, m in rows[int(n * STEADY_MIDDLE[0]) : int(n * STEADY_MIDDLE[1])]]
+    out = {}
+    for name in sorted({name for m in top + middle for name in m}):
+        a = sum(m.get(name, 0) for m in top) / len(top) / 1000.0
+        b = sum(m.get(name, 0) for m in middle) / len(middle) / 1000.0 if middle else 0.0
+        if a >= 1.0 or b >= 1.0:
+            out[name] = [round(a, 1), round(b, 1)]
+    return out
 
 
 @contextmanager
@@ -902,6 +952,20 @@ def print_report(
             print(_line(row, widths))
 
 
+def print_steady_profiles(results: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """The kvtier runs' :func:`steady_profile` (``--breakdown``), the eight methods whose
+    costliest steps exceed their middle ones most."""
+    for wl_name, runs in results.items():
+        for name, r in runs.items():
+            profile: dict[str, list[float]] = r.get("steady_profile") or {}
+            if not profile or not name.startswith("kvtier"):
+                continue
+            print(f"\n== {wl_name} {name}: steps admitting nothing, µs per step, costliest 15%")
+            print("   and middle fifth (--breakdown; nested calls in their callers' figures too)")
+            for method, (a, b) in sorted(profile.items(), key=lambda kv: kv[1][1] - kv[1][0])[:8]:
+                print(f"  {method:<45} {a:>9.1f} {b:>9.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
@@ -918,7 +982,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--breakdown",
         action="store_true",
-        help="also time the offloading manager's methods (adds a little to each call)",
+        help="also time the offloading manager's methods (adds a little to each call), and "
+        "print each kvtier method's time in the costliest 15%% of the steps admitting "
+        "nothing beside the middle fifth of them (where the steady p90 comes from)",
     )
     opts = parser.parse_args(argv)
     if opts.repeat < 1:
@@ -962,6 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== the five costliest kvtier methods (CPU time over every run)")
     for t in top:
         print(f"  {t['method']:<60} {t['us_per_call']:>9.1f} µs/call  {t['total_ms']:>9.1f} ms")
+    print_steady_profiles(results)
     results_goals = goals(results)
     print("\n== goals")
     for g in results_goals:
