@@ -206,28 +206,24 @@ class TierCapacity:
             self._io.put("write", self._write_tasks, writes[start : start + per], views)
         return started
 
-    def _writes_landed(
-        self, written: Sequence[TierResult], out: list[TierResult], *, reserved: bool = True
-    ) -> None:
+    def _writes_landed(self, written: Sequence[TierResult], out: list[TierResult]) -> None:
         """Apply writes that succeeded (``poll``, in the order they landed), together:
-        what applying each alone does. Each ends its write and its room's reservation
-        (with ``reserved`` False, the caller ended them), indexes its entry, a KV event
-        where enabled, its counters; each is handed back in ``out``."""
-        if reserved:
-            self._inflight -= len(written)
-            digests = [res.digest for res in written]
-            self._writing.difference_update(digests)
-            reusing = self._reusing
-            if reusing:
-                for digest in digests:
-                    reused = reusing.pop(digest, None)  # type: ignore[arg-type]
-                    if reused is not None:
-                        self._unlinked(reused)
-            self._index.reserved -= len(written) * self.entry_bytes
-        entries = [(res.digest or key_digest(res.key), res.key) for res in written]
+        what applying each alone does. Each ends its write and its room's reservation,
+        indexes its entry, a KV event where enabled, its counters; each is handed back
+        in ``out``."""
+        self._inflight -= len(written)
+        digests = [res.digest or key_digest(res.key) for res in written]
+        self._writing.difference_update(digests)
+        reusing = self._reusing
+        if reusing:
+            for digest in digests:
+                reused = reusing.pop(digest, None)
+                if reused is not None:
+                    self._unlinked(reused)
+        self._index.reserved -= len(written) * self.entry_bytes
         if self._retried:
-            self._retried.difference_update(digest for digest, _key in entries)
-        self._index.add_all(entries)
+            self._retried.difference_update(digests)
+        self._index.add_all([(digest, res.key) for digest, res in zip(digests, written)])
         if self.enable_events:
             self._events.extend((False, [res.key]) for res in written)
         stats = self.stats

@@ -399,7 +399,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         while results:
             res = results.popleft()
             op = res.op
-            if op == "write" and res.ok and res.digest is not None:
+            if op == "write" and res.ok:
                 written.append(res)  # (most results)
                 continue
             if written:  # (a fault may evict or forget entries: index those written first)
@@ -416,9 +416,6 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
                 if reused is not None:
                     self._unlinked(reused)
                 self._index.reserved -= self.entry_bytes
-                if res.ok:  # (a write whose result names no digest)
-                    self._writes_landed([res], out, reserved=False)
-                    continue
             else:
                 count_down(reading, digest)
             if res.ok:
