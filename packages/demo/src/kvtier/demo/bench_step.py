@@ -585,11 +585,12 @@ class StepRecorder:
 
     def steps(self, *, all_steps: bool = False) -> list[dict[str, int]]:
         """Per step that scheduled tokens (``all_steps``: every step): vLLM's scheduler,
-        the connector's scheduler side (ns), the requests it admitted, and whether it
-        admitted or allocated for some (``admits``, see the module)."""
+        the connector's scheduler side (ns), the requests it admitted, whether it
+        admitted or allocated for some (``admits``, see the module), and its place among
+        all steps (``step``)."""
         out = []
-        for (total, conn, tokens), (utotal, uconn), admitted, allocated in zip(
-            self.schedule_calls, self.update_calls, self.admitted, self.allocated
+        for step, ((total, conn, tokens), (utotal, uconn), admitted, allocated) in enumerate(
+            zip(self.schedule_calls, self.update_calls, self.admitted, self.allocated)
         ):
             if tokens == 0 and not all_steps:
                 continue
@@ -599,6 +600,7 @@ class StepRecorder:
                     "sched": conn + uconn,
                     "admitted": admitted,
                     "admits": int(bool(admitted or allocated)),
+                    "step": step,
                 }
             )
         return out
@@ -715,12 +717,8 @@ def steady_profile(rec: StepRecorder) -> dict[str, list[float]]:
     the costliest 15% of the steps that schedule tokens and admit nothing, beside the
     middle fifth of them: ``{method: [top, middle]}``, the methods with 1 µs or more."""
     per_step = [*rec.step_methods, dict(rec.scheduler.in_step or {})]
-    rows = []
-    for i, ((_total, conn, tokens), (_ut, uconn), admitted, allocated) in enumerate(
-        zip(rec.schedule_calls, rec.update_calls, rec.admitted, rec.allocated)
-    ):
-        if tokens and not (admitted or allocated) and i < len(per_step):
-            rows.append((conn + uconn, per_step[i]))
+    # The steps the steady p90 is read on (summarize's), with their methods' times.
+    rows = [(s["sched"], per_step[s["step"]]) for s in rec.steps() if not s["admits"]]
     if len(rows) < MIN_STEPS:
         return {}
     rows.sort(key=lambda row: row[0])
