@@ -147,3 +147,34 @@ def gauge_stats(gauges: Iterable[tuple[str, Any]]) -> Any:
     for name, value in gauges:
         stats.set_gauge(name, value)
     return stats
+
+
+def copy_stats(stats: Any) -> Any:
+    """A new stats object of ``stats``'s class with a copy of its ``data``, down to each
+    metric's values by labels (vLLM's layout: ``{"types": {name: type}, "data": {name:
+    {labels: value}}}``; a gauge's or counter's value is a number, so the copy shares
+    nothing that vLLM changes in place)."""
+    data = {
+        key: {
+            name: dict(values) if type(values) is dict else values for name, values in part.items()
+        }
+        if type(part) is dict
+        else part
+        for key, part in stats.data.items()
+    }
+    return type(stats)(data=data)
+
+
+class QuietGauges:
+    """:func:`gauge_stats` for a step where nothing changed (most steps): the stats of
+    the same rows (the same tuple) are made once and copied after, never handed out
+    twice (vLLM's scheduler and its stats loggers aggregate into the stats they get)."""
+
+    def __init__(self) -> None:
+        self._rows: tuple[tuple[str, Any], ...] | None = None
+        self._stats: Any = None
+
+    def __call__(self, rows: tuple[tuple[str, Any], ...]) -> Any:
+        if rows is not self._rows or self._stats is None:
+            self._stats, self._rows = gauge_stats(rows), rows
+        return copy_stats(self._stats)

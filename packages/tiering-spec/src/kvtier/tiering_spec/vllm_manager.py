@@ -87,6 +87,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self._metrics = MetricsEmitter(
             self.core, tiering=side.offload.tiering, traffic=side.traffic
         )
+        self._quiet_stats = compat.QuietGauges()  # a quiet step's stats, copied
         self._hit_sources: dict[str, Any] = {}  # a tier's name -> vLLM's CacheHitSource
         self._failed_stores: list[list[OffloadKey]] = []  # for metadata-only removals
         self._resets = 0  # reset_cache calls: what a request noted before one is stale
@@ -363,7 +364,7 @@ class KvtierOffloadingManager(OffloadingManager):
         metrics = self._metrics
         quiet = metrics.quiet_gauges(defer=True)
         if quiet is not None:  # most steps: only the gauges vLLM's manager always sends
-            return compat.gauge_stats(quiet)
+            return self._quiet_stats(quiet)
         stats = compat.new_stats()
         metrics.write_changed(stats)
         return None if stats.is_empty() else stats
