@@ -206,13 +206,9 @@ class TierCapacity:
             self._io.put("write", self._write_tasks, writes[start : start + per], views)
         return started
 
-    def _writes_landed(self, written: Sequence[TierResult], out: list[TierResult]) -> None:
-        """Apply writes that succeeded (``poll``, in the order they landed), together:
-        what applying each alone does. Each ends its write and its room's reservation,
-        indexes its entry, a KV event where enabled, its counters; each is handed back
-        in ``out``."""
-        self._inflight -= len(written)
-        digests = [res.digest or key_digest(res.key) for res in written]
+    def _writes_ended(self, digests: Sequence[bytes]) -> None:
+        """End the writes of ``digests``, landed or failed: no longer being written,
+        the files they took over gone from the books, their room's reservation ended."""
         self._writing.difference_update(digests)
         reusing = self._reusing
         if reusing:
@@ -220,7 +216,16 @@ class TierCapacity:
                 reused = reusing.pop(digest, None)
                 if reused is not None:
                     self._unlinked(reused)
-        self._index.reserved -= len(written) * self.entry_bytes
+        self._index.reserved -= len(digests) * self.entry_bytes
+
+    def _writes_landed(self, written: Sequence[TierResult], out: list[TierResult]) -> None:
+        """Apply writes that succeeded (``poll``, in the order they landed), together:
+        what applying each alone does. Each ends its write and its room's reservation,
+        indexes its entry, a KV event where enabled, its counters; each is handed back
+        in ``out``."""
+        self._inflight -= len(written)
+        digests = [res.digest or key_digest(res.key) for res in written]
+        self._writes_ended(digests)
         if self._retried:
             self._retried.difference_update(digests)
         self._index.add_all([(digest, res.key) for digest, res in zip(digests, written)])

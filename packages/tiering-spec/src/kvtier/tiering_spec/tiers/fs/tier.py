@@ -394,7 +394,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
             self._regrow()
         out: list[TierResult] = []
         results, stats = self._results, self.stats
-        writing, reusing, reading = self._writing, self._reusing, self._reading
+        reading = self._reading
         written: list[TierResult] = []  # writes that succeeded, applied together in order
         while results:
             res = results.popleft()
@@ -411,11 +411,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
                 continue
             digest = res.digest or fs_format.key_digest(res.key)
             if op == "write":
-                writing.discard(digest)
-                reused = reusing.pop(digest, None) if reusing else None
-                if reused is not None:
-                    self._unlinked(reused)
-                self._index.reserved -= self.entry_bytes
+                self._writes_ended([digest])
             else:
                 count_down(reading, digest)
             if res.ok:
