@@ -175,6 +175,6 @@ class QuietGauges:
         self._stats: Any = None
 
     def __call__(self, rows: tuple[tuple[str, Any], ...]) -> Any:
-        if rows is not self._rows or self._stats is None:
+        if rows is not self._rows:
             self._stats, self._rows = gauge_stats(rows), rows
         return copy_stats(self._stats)
