@@ -42,7 +42,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from kvtier.tiering_spec import vllm_compat as compat
 from kvtier.tiering_spec.vllm_adapter import _KvtierSpec
 from kvtier.tiering_spec.vllm_manager import KvtierOffloadingManager
-from kvtier.vllm_port import connector_reads, lookup_memo, lookups, store_planning, sync_loads
+from kvtier.vllm_port import (
+    admissions,
+    connector_reads,
+    lookup_memo,
+    lookups,
+    store_planning,
+    sync_loads,
+)
 
 logger = logging.getLogger("kvtier.tiering_spec")
 
@@ -126,6 +133,9 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         manager = getattr(scheduler, "manager", None)
         if isinstance(manager, KvtierOffloadingManager):
             self._kvtier_manager = manager
+            # vLLM's admission calls are written for every model; a plain one is
+            # admitted by kvtier's own (before the changes below wrap them).
+            admissions.install(scheduler)
             # vLLM updates keys and plans stores for every scheduled request each
             # step; only requests with a new chunk need it.
             store_planning.speed_up(scheduler)
