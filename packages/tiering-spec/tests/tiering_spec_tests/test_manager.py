@@ -1282,3 +1282,52 @@ def test_lookups_asked_again_answer_and_count_as_the_version_says(make_tier) -> 
     assert mgr.lookup_version() != version
     mgr._refused[b"x"] = mgr._step  # a key refused for a while: asked every time
     assert mgr.lookup_version() is None
+
+
+def test_a_prefix_lookup_answers_as_key_by_key_lookups() -> None:
+    """``lookup_prefix`` against ``lookup`` key by key up to the first miss (vLLM's
+    loop), on twin host tiers through random stores, failed stores, loads and steps:
+    the same answers, counters and pass state (runs of cached keys are taken at once)."""
+    rng = random.Random(5)
+    ours, theirs = TierManager(HostBlockPool(24)), TierManager(HostBlockPool(24))
+    keys = [bytes([i]) * 4 for i in range(40)]
+    storing: list[list[bytes]] = []
+    prefixes = 0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.3:
+            start = rng.randrange(len(keys))
+            wanted = keys[start : start + rng.randint(1, 6)]
+            plans = [m.prepare_store(wanted) for m in (ours, theirs)]
+            assert plans[0] == plans[1]
+            if plans[0] is not None and plans[0][0]:
+                storing.append(plans[0][0])
+        elif op < 0.45 and storing:
+            done = storing.pop(rng.randrange(len(storing)))
+            success = rng.random() < 0.85
+            for m in (ours, theirs):
+                m.complete_store(done, success)
+        elif op < 0.55:
+            for m in (ours, theirs):
+                m.end_step()
+        else:
+            start = rng.randrange(8) * 5
+            prefix = keys[start : start + rng.randint(0, 10)]
+            req = f"r{rng.randrange(4)}"
+            found, ready = ours.lookup_prefix(prefix, req)
+            answers = []
+            for key in prefix:
+                answer = theirs.lookup(key, req)
+                if answer is Lookup.MISS:
+                    break
+                answers.append(answer is Lookup.HIT)
+            assert found == len(answers)
+            assert ready == (None if all(answers) else answers)
+            prefixes += found > 1 and ready is None
+            if found and rng.random() < 0.3 and ready is None:
+                for m in (ours, theirs):
+                    m.complete_load(prefix[:found]) if m.prepare_load(prefix[:found]) else None
+        assert vars(ours.counters) == vars(theirs.counters)
+        assert ours._pass_req == theirs._pass_req and ours._pass_keys == theirs._pass_keys
+        assert ours.pool.num_free == theirs.pool.num_free
+    assert prefixes > 20, "runs of cached keys must have been looked up"

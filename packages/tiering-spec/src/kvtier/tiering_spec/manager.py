@@ -162,12 +162,7 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         a sequence says, per secondary tier, whether the request may load from it.
         """
         if self._pass_req != req_id:
-            self._end_pass()
-            self._pass_req = req_id
-            self.flush()  # the previous request's promotions
-            # Once a pass, not once a key: a read that ends during the pass is a
-            # HIT_PENDING, which vLLM asks again next step.
-            self.poll()
+            self._begin_pass(req_id)
         pool = self.pool
         self.counters.host_queries += 1
         if pool.contains(key):
@@ -228,28 +223,39 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         """:meth:`lookup` of ``keys`` in order up to the first MISS: how many keys lead
         up to it, and None when all of them are HIT, else whether each is HIT (False:
         HIT_PENDING). Cached keys are answered here, without a call each."""
+        if keys and self._pass_req != req_id:
+            self._begin_pass(req_id)
         found = 0
         ready: list[bool] | None = None
         pool = self.pool
         counters = self.counters
         promoting = self._promoting
         reserve = bool(self.secondary_tiers)  # (the first promotion reserves for the rest)
+        num_keys = len(keys)
+        after_run = False  # keys[found] ended a run of cached keys
         try:
-            for key in keys:
-                if found and self._pass_held is None and pool.contains(key):
-                    # lookup()'s first answer, for a request whose pass has begun and holds
-                    # nothing (it has not promoted): a HIT.
-                    counters.host_queries += 1
-                    counters.host_hits += 1
-                    self._pass_keys.append(key)
-                    hit = True
-                else:
-                    answer = self.lookup(key, req_id, secondary=secondary)
-                    if answer is Lookup.MISS:
-                        break
-                    hit = answer is Lookup.HIT
-                    if reserve and not hit and not self._reserved and key in promoting:
-                        reserve = self._reserve_ahead(keys, found + 1, promoting[key], secondary)
+            while found < num_keys:
+                if not after_run and self._pass_held is None:
+                    # lookup()'s answer for cached keys while the pass holds nothing (it
+                    # has not promoted): HITs, taken as a run.
+                    run = pool.lookup(keys[found:] if found else keys)
+                    if run:
+                        counters.host_queries += run
+                        counters.host_hits += run
+                        self._pass_keys += keys[found : found + run]
+                        if ready is not None:
+                            ready += [True] * run
+                        found += run
+                        after_run = True
+                        continue
+                after_run = False
+                key = keys[found]
+                answer = self.lookup(key, req_id, secondary=secondary)
+                if answer is Lookup.MISS:
+                    break
+                hit = answer is Lookup.HIT
+                if reserve and not hit and not self._reserved and key in promoting:
+                    reserve = self._reserve_ahead(keys, found + 1, promoting[key], secondary)
                 if ready is not None:
                     ready.append(hit)
                 elif not hit:
@@ -410,6 +416,15 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
             self._promote_ahead()
             if self._queued:
                 self.flush()  # their reads overlap the next step
+
+    def _begin_pass(self, req_id: str) -> None:
+        """A lookup pass for the request ``req_id`` begins (see :meth:`lookup`)."""
+        self._end_pass()
+        self._pass_req = req_id
+        self.flush()  # the previous request's promotions
+        # Once a pass, not once a key: a read that ends during the pass is a
+        # HIT_PENDING, which vLLM asks again next step.
+        self.poll()
 
     def _end_pass(self) -> None:
         """Forget the lookup pass, releasing the keys it held for its promotions."""
