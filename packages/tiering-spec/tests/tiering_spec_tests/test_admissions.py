@@ -13,7 +13,10 @@ records, job counter, the step's allocated blocks, the chunks being loaded, the
 histograms observed and the lookups the events tracker noted. Workloads: prefixes
 reused (loads, asynchronous and synchronous), preemptions (a request looked up while its
 stores are in flight), a cap on the tokens a request may load, chunks of two blocks,
-self-describing KV events, and a lookup that finds a prefix still being stored.
+self-describing KV events, a lookup that finds a prefix still being stored, and an fs
+tier behind a small host tier (arriving requests' keys made for promotions ahead,
+lookups that promote). Every key update, an arrival's too, is checked against vLLM's
+``update_offload_keys`` on a copy of the request's state.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from .e2e_support import ENGINE, offload_config, prefix_prompts
+from .e2e_support import CHUNK_BYTES, ENGINE, offload_config, prefix_prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 import kvtier.testkit as testkit  # noqa: E402
@@ -185,6 +188,21 @@ class _Shadow:
             return found, ready
 
         manager.lookup_prefix = recorded
+        self.keyed = 0  # key updates checked (arrivals' and lookups')
+        self.keying = 0  # lookups that make keys
+        admit = scheduler._kvtier_admissions
+        update_keys = admit.update_keys
+
+        def checked_keys(status: Any) -> None:
+            twin = copy.deepcopy(status)
+            update_keys(status)
+            type(status).update_offload_keys(twin)
+            assert status.group_states[0].offload_keys == twin.group_states[0].offload_keys
+            ours = status.req_context._offload_key_positions
+            assert ours == twin.req_context._offload_key_positions
+            self.keyed += 1
+
+        admit.update_keys = checked_keys
         self.matched = self._matched(scheduler.get_num_new_matched_tokens)
         self.allocated = self._allocated(scheduler.update_state_after_alloc)
 
@@ -196,6 +214,7 @@ class _Shadow:
             status = scheduler._req_status[request.request_id]
             # (vLLM clears a request's device blocks here: it held some, so it ran.)
             self.resumed += bool(status.group_states[0].block_ids)
+            self.keying += not status.transfer_jobs  # (vLLM makes its keys then)
             twin = _twin(scheduler)
             answer = ours(request, num_computed_tokens, *args, **kwargs)
             twin.manager = replay = _Replay(self.answers, [])
@@ -280,6 +299,7 @@ def _prompts(rng: random.Random) -> list[tuple[int, ...]]:
         ("two-block-chunks", {"block_size": 64}, {}),
         ("load-caps", {}, {}),
         ("events", {"self_describing_kv_events": True}, {}),
+        ("fs-tier", {"cpu_bytes_to_use": 24 * CHUNK_BYTES}, {}),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -289,11 +309,15 @@ def test_kvtier_admits_as_vllm_admits(
     extra: dict[str, Any],
     engine_extra: dict[str, Any],
     monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     rng = random.Random(case)
     shadows: list[_Shadow] = []
     monkeypatch.setattr(admissions, "install", _shadowed(shadows))
-    kv = offload_config("CPUOffloadingSpec", host_chunks=256)
+    if case == "fs-tier":  # arrivals' keys made for promotions ahead, lookups promote
+        kv = offload_config("TieringOffloadingSpec", host_chunks=256, root_dir=str(tmp_path))
+    else:
+        kv = offload_config("CPUOffloadingSpec", host_chunks=256)
     kv["kv_connector_extra_config"].update(extra)
     engine: dict[str, Any] = {**TIGHT, **engine_extra}
     if case == "events":
@@ -322,6 +346,9 @@ def test_kvtier_admits_as_vllm_admits(
     (shadow,) = shadows
     assert shadow.lookups >= len(prompts), "every request must have been looked up"
     assert shadow.hits >= 4 and shadow.loads >= 4, "the workload must load prefixes"
+    assert shadow.keyed >= shadow.keying > 0, "every key update must have been checked"
+    if case == "fs-tier":
+        assert shadow.keyed > shadow.keying, "arrivals' keys must have been made"
     if case == "preemptions":
         assert shadow.resumed > 0, "a preempted request must have been looked up again"
 

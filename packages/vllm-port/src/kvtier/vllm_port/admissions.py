@@ -176,21 +176,7 @@ class Admissions:
             )
             return None, False
         self.admitted += 1
-        # vLLM's update_offload_keys: a key for each chunk's last block hash not keyed
-        # yet, and its end token placed in the request's context.
-        keys: list[Any] = group.offload_keys
-        per = self.hashes_per_chunk
-        count = len(keys)
-        new = status.req.block_hashes[per * count + per - 1 :: per]
-        if new:
-            suffix, size = self.suffix, self.tokens_per_chunk
-            positions = status.req_context._offload_key_positions
-            end = count * size
-            for block_hash in new:
-                key = block_hash + suffix
-                keys.append(key)
-                end += size
-                positions[key] = end
+        self.update_keys(status)
         status.num_locally_computed_tokens = num_computed_tokens
         hit: int | None
         if request.skip_reading_prefix_cache:
@@ -210,6 +196,24 @@ class Admissions:
                     stats.observe_histogram(self.async_delay, time.monotonic() - began)
         group.num_hit_chunks = (num_computed_tokens + (hit or 0)) // self.tokens_per_chunk
         return hit, bool(hit)
+
+    def update_keys(self, status: Any) -> None:
+        """vLLM's ``RequestOffloadState.update_offload_keys`` of ``status``: a key for
+        each chunk's last block hash not keyed yet, its end token placed in the
+        request's context."""
+        keys: list[Any] = status.group_states[0].offload_keys
+        per = self.hashes_per_chunk
+        count = len(keys)
+        new = status.req.block_hashes[per * count + per - 1 :: per]
+        if new:
+            suffix, size = self.suffix, self.tokens_per_chunk
+            positions = status.req_context._offload_key_positions
+            end = count * size
+            for block_hash in new:
+                key = block_hash + suffix
+                keys.append(key)
+                end += size
+                positions[key] = end
 
     # -- _lookup ------------------------------------------------------------------------
 

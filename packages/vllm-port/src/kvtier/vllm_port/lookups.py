@@ -176,7 +176,8 @@ def arrival_keys(scheduler: Any, request_id: str) -> list[Any] | None:
     """The offload keys of a request vLLM's ``on_new_request`` just added: its prompt's
     complete chunks in prefix order, as its lookup will ask for them, made by vLLM's own
     ``RequestOffloadState.update_offload_keys`` (which the lookup calls again, adding
-    only keys it lacks). None where the request state has another shape, or the model
+    only keys it lacks), or kvtier's where :mod:`kvtier.vllm_port.admissions` admits the
+    scheduler's requests. None where the request state has another shape, or the model
     several KV cache groups (their keys are looked up group by group)."""
     statuses = getattr(scheduler, "_req_status", None)
     status = statuses.get(request_id) if isinstance(statuses, dict) else None
@@ -184,7 +185,11 @@ def arrival_keys(scheduler: Any, request_id: str) -> list[Any] | None:
     groups = getattr(status, "group_states", None)
     if not callable(update) or not isinstance(groups, tuple) or len(groups) != 1:
         return None
-    update()
+    admissions = getattr(scheduler, "_kvtier_admissions", None)
+    if admissions is not None:
+        admissions.update_keys(status)  # (the same keys, without a call per key)
+    else:
+        update()
     keys = getattr(groups[0], "offload_keys", None)
     return list(keys) if isinstance(keys, list) else None
 
