@@ -41,17 +41,10 @@ from kvtier.testkit.engine import kv_connector_of  # noqa: E402
 from kvtier.vllm_port import admissions  # noqa: E402
 
 TIGHT = {**ENGINE, "max_num_seqs": 4, "num_gpu_blocks_override": 16}
-# The scheduler's state the two admission calls read or write.
-_COPIED = (
-    "_req_status",
-    "_jobs",
-    "_current_batch_load_jobs",
-    "_current_batch_allocated_block_ids",
-    "_chunks_being_loaded",
-    "_connector_stats",
-    "_events_tracker",
-    "_block_id_to_pending_jobs",
-)
+# The scheduler's state the two admission calls change: new entries only (copied
+# shallow), or anything (copied deep). The request's own state is copied deep.
+_NEW_ENTRIES = ("_jobs", "_current_batch_load_jobs", "_current_batch_allocated_block_ids")
+_ANYTHING = ("_connector_stats", "_events_tracker")
 # kvtier's methods on the engine's scheduler; the copy runs vLLM's (its class's).
 _OURS = (
     "get_num_new_matched_tokens",
@@ -89,9 +82,15 @@ class _Replay:
         return answer
 
 
-def _twin(scheduler: Any) -> Any:
+def _twin(scheduler: Any, req_id: str) -> Any:
+    """A copy of ``scheduler`` for an admission call on ``req_id``."""
     twin = copy.copy(scheduler)
-    for name in _COPIED:
+    twin._req_status = {req_id: copy.deepcopy(scheduler._req_status[req_id])}
+    for name in _NEW_ENTRIES:
+        setattr(twin, name, copy.copy(getattr(scheduler, name)))
+    loading = scheduler._chunks_being_loaded
+    twin._chunks_being_loaded = None if loading is None else set(loading)
+    for name in _ANYTHING:
         setattr(twin, name, copy.deepcopy(getattr(scheduler, name)))
     for name in _OURS:
         vars(twin).pop(name, None)
@@ -215,7 +214,7 @@ class _Shadow:
             # (vLLM clears a request's device blocks here: it held some, so it ran.)
             self.resumed += bool(status.group_states[0].block_ids)
             self.keying += not status.transfer_jobs  # (vLLM makes its keys then)
-            twin = _twin(scheduler)
+            twin = _twin(scheduler, request.request_id)
             answer = ours(request, num_computed_tokens, *args, **kwargs)
             twin.manager = replay = _Replay(self.answers, [])
             theirs = vllm_matched(twin, request, num_computed_tokens, *args, **kwargs)
@@ -234,7 +233,7 @@ class _Shadow:
         vllm_allocated = type(scheduler).update_state_after_alloc
 
         def allocated(request: Any, blocks: Any, num_external_tokens: int) -> Any:
-            twin = _twin(scheduler)
+            twin = _twin(scheduler, request.request_id)
             manager = scheduler.manager
             prepare = manager.prepare_load
             loads: list[tuple[list[Any], Any]] = []
