@@ -31,8 +31,6 @@ loop records.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import logging
 import sys
 import time
@@ -76,16 +74,7 @@ def _sources(cls: type) -> list[Any] | None:
 def source_digest(cls: type) -> str | None:
     """A digest of the source of vLLM's admission code for the scheduler class ``cls``,
     or None where it cannot be read."""
-    found = _sources(cls)
-    if found is None:
-        return None
-    h = hashlib.sha256()
-    try:
-        for fn in found:
-            h.update(inspect.getsource(fn).encode())
-    except (OSError, TypeError):
-        return None
-    return h.hexdigest()
+    return store_jobs.digest_of(_sources(cls))
 
 
 def applies(scheduler: Any) -> bool:

@@ -116,12 +116,17 @@ def _sources(cls: type) -> list[Any] | None:
 def source_digest(cls: type) -> str | None:
     """A digest of the source of vLLM's store planning for the scheduler class ``cls``,
     or None where it cannot be read."""
-    found = _sources(cls)
-    if found is None:
+    return digest_of(_sources(cls))
+
+
+def digest_of(functions: list[Any] | None) -> str | None:
+    """The sha256 of the sources of ``functions``, in order; None where one cannot be
+    read (or ``functions`` is None)."""
+    if functions is None:
         return None
     h = hashlib.sha256()
     try:
-        for fn in found:
+        for fn in functions:
             h.update(inspect.getsource(fn).encode())
     except (OSError, TypeError):
         return None
@@ -343,6 +348,7 @@ __all__ = [
     "REFUSALS_LOG_INTERVAL_S",
     "Reduced",
     "Refusals",
+    "digest_of",
     "finished_statuses",
     "install",
     "plain_model",
