@@ -38,8 +38,6 @@ from typing import Any
 
 from kvtier.vllm_port import store_jobs
 
-logger = logging.getLogger("kvtier.vllm_port")
-
 # sha256 of the sources (see :func:`source_digest`) these functions reproduce.
 KNOWN_SOURCES = frozenset(
     {
@@ -271,7 +269,8 @@ class Admissions:
         status = self.statuses[req_id]
         computed = status.num_locally_computed_tokens
         cached = computed + num_external_tokens
-        assert status.partial_tail_boundary is None  # (no partial tails on this model)
+        # (vLLM clears the boundary after the load; without partial tails it is None.)
+        assert status.partial_tail_boundary is None
         ranges: list[tuple[int, int, Any]] = status.load_key_ranges
         ranges.clear()
         group_blocks = blocks.blocks[self.group_idx]
@@ -328,7 +327,6 @@ class Admissions:
         loading = scheduler._chunks_being_loaded
         if loading is not None:
             loading.update(keys_to_load)
-        status.partial_tail_boundary = None
 
 
 def admitted(scheduler: Any) -> int | None:
