@@ -1285,9 +1285,10 @@ def test_lookups_asked_again_answer_and_count_as_the_version_says(make_tier) -> 
 
 
 def test_a_prefix_lookup_answers_as_key_by_key_lookups() -> None:
-    """``lookup_prefix`` against ``lookup`` key by key up to the first miss (vLLM's
-    loop), on twin host tiers through random stores, failed stores, loads and steps:
-    the same answers, counters and pass state (runs of cached keys are taken at once)."""
+    """As ``test_a_prefix_looked_up_in_one_call_is_what_key_by_key_lookups_find``,
+    where a request's pass goes on over several calls (no step ends between them),
+    through failed stores and loads: the same answers, holds, counters and pass (runs
+    of cached keys are taken at once)."""
     rng = random.Random(5)
     ours, theirs = TierManager(HostBlockPool(24)), TierManager(HostBlockPool(24))
     keys = [bytes([i]) * 4 for i in range(40)]
@@ -1315,19 +1316,15 @@ def test_a_prefix_lookup_answers_as_key_by_key_lookups() -> None:
             prefix = keys[start : start + rng.randint(0, 10)]
             req = f"r{rng.randrange(4)}"
             found, ready = ours.lookup_prefix(prefix, req)
-            answers = []
-            for key in prefix:
-                answer = theirs.lookup(key, req)
-                if answer is Lookup.MISS:
-                    break
-                answers.append(answer is Lookup.HIT)
-            assert found == len(answers)
-            assert ready == (None if all(answers) else answers)
+            want_found, flags = _prefix_by_lookups(theirs, prefix, req)
+            assert found == want_found
+            assert ready == (None if all(flags) else flags)
             prefixes += found > 1 and ready is None
             if found and rng.random() < 0.3 and ready is None:
                 for m in (ours, theirs):
-                    m.complete_load(prefix[:found]) if m.prepare_load(prefix[:found]) else None
-        assert vars(ours.counters) == vars(theirs.counters)
+                    if m.prepare_load(prefix[:found]):
+                        m.complete_load(prefix[:found])
+        assert _state(ours, keys) == _state(theirs, keys)
         assert ours._pass_req == theirs._pass_req and ours._pass_keys == theirs._pass_keys
         assert ours.pool.num_free == theirs.pool.num_free
     assert prefixes > 20, "runs of cached keys must have been looked up"
