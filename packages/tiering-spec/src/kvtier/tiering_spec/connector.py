@@ -117,6 +117,9 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         # wait_for_save, get_finished, get_transfer_results, build_connector_worker_meta
         # and get_block_ids_with_load_errors answer as vLLM's would, at once.
         self._quiet_step = False
+        # What handle_preemptions (vLLM's first call of a step) found of the step's
+        # metadata, (metadata, idle, quiet), for bind_connector_metadata to take.
+        self._checked: tuple[Any, bool, bool] | None = None
         self._results_type: Any = None  # vLLM's KVConnectorTransferResults, once seen
         self._layer_hooks_idle = connector_reads.layer_hooks_idle(type(self))
         worker = getattr(self, "connector_worker", None)
@@ -200,25 +203,32 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
             return False
         return bool(super().has_connector_metadata())
 
+    def _check(self, metadata: Any) -> tuple[Any, bool, bool]:
+        """(``metadata``, idle, quiet) for a step: idle, its metadata moves nothing and
+        nothing waits (handle_preemptions and start_load_kv have nothing to do); quiet,
+        idle and this worker has nothing in flight or to report. An idle step submits
+        nothing, so a worker with nothing in flight has nothing to report until the
+        metadata is cleared."""
+        spec = self._kvtier_worker_spec
+        if spec is None or self._held_stores or self._sync_started:
+            return metadata, False, False
+        connector_worker = self.connector_worker
+        if not sync_loads.idle(connector_worker, metadata):
+            return metadata, False, False
+        quiet = (
+            _NO_BASE_LOAD_ERRORS
+            and not self._failed_recving
+            and spec._worker.quiet
+            and store_planning.reports_nothing(connector_worker, metadata)
+        )
+        return metadata, True, quiet
+
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
-        idle = self._idle_step = (
-            self._kvtier_worker_spec is not None
-            and not self._held_stores
-            and not self._sync_started
-            and sync_loads.idle(self.connector_worker, connector_metadata)
-        )
-        # An idle step submits nothing, so a worker with nothing in flight now has
-        # nothing to report until the metadata is cleared.
-        worker = self._kvtier_worker() if idle else None
-        self._quiet_step = (
-            worker is not None
-            and _NO_BASE_LOAD_ERRORS
-            and worker.quiet
-            and not self._failed_recving
-            and not store_planning.plans_stores(connector_metadata)
-            and not store_planning.worker_meta_waiting(self.connector_worker)
-        )
+        checked, self._checked = self._checked, None
+        if checked is None or checked[0] is not connector_metadata:
+            checked = self._check(connector_metadata)
+        _, self._idle_step, self._quiet_step = checked
 
     def clear_connector_metadata(self) -> None:
         self._idle_step = self._quiet_step = False
@@ -236,7 +246,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         if self._kvtier_worker_spec is None or meta is None:
             super().handle_preemptions(*args, **kwargs)
             return
-        if sync_loads.idle(self.connector_worker, meta):
+        # (vLLM binds the same metadata next: what is found here holds there, as no
+        # connector call comes between.)
+        checked = self._checked = self._check(meta)
+        if checked[1]:
             return  # nothing to flush, submit or start (most steps)
         # The step's synchronous loads (see kvtier.vllm_port.sync_loads) start now, while
         # the worker prepares the step, ahead of the stores deferred from the last step.
@@ -329,10 +342,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
 
     # -- metrics before vLLM 0.24 ---------------------------------------------------
 
-    def get_kv_connector_stats(self) -> Any:
-        if compat.SPEC_METRICS:
-            return super().get_kv_connector_stats()
-        return compat.legacy_metrics().connector_stats(self, super().get_kv_connector_stats)
+    if not compat.SPEC_METRICS:  # (elsewhere vLLM's, asked on both sides every step)
+
+        def get_kv_connector_stats(self) -> Any:
+            return compat.legacy_metrics().connector_stats(self, super().get_kv_connector_stats)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
