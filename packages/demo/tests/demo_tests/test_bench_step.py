@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvtier.demo import bench_step
 from kvtier.testkit import requires_vllm
 
@@ -90,6 +92,7 @@ def engine_of(model: Path, name: str) -> Any:
 
 
 @requires_vllm
+@pytest.mark.e2e
 def test_the_anchor_is_vllms_own_connector_and_manager(tiny_model: Path) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
@@ -110,6 +113,7 @@ def test_the_anchor_is_vllms_own_connector_and_manager(tiny_model: Path) -> None
 
 
 @requires_vllm
+@pytest.mark.e2e
 def test_one_run_reports_every_connector_beside_the_anchor(tmp_path: Path) -> None:
     out = tmp_path / "bench-step.json"
     code = bench_step.main(
@@ -130,6 +134,7 @@ def test_one_run_reports_every_connector_beside_the_anchor(tmp_path: Path) -> No
 
 
 @requires_vllm
+@pytest.mark.e2e
 def test_the_warm_up_leaves_nothing_cached_for_the_workload(tiny_model: Path) -> None:
     """Its requests ran (the connector stored their blocks), then every cache was
     emptied: a workload starts as on a fresh engine, with its code paths warm."""

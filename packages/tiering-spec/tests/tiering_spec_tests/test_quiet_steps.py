@@ -26,6 +26,8 @@ from kvtier.testkit.engine import kv_connector_of, scheduler_of
 
 from .e2e_support import ENGINE, offload_config
 
+pytestmark = pytest.mark.e2e
+
 STORE_SECONDS = 0.1
 # One request: a 3-block prompt, then decoding steps that move nothing (prompts only
 # are stored) for much longer than a store takes.

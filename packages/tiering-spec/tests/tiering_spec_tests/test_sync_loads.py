@@ -100,6 +100,7 @@ def _applies(seen: dict[str, Any]) -> bool:
     return native or seen["state"] is not None
 
 
+@pytest.mark.e2e
 def test_hits_load_inside_the_step_and_outputs_match(tiny_model: Path, reference: Any) -> None:
     result, seen = _run(tiny_model, None)
     if not _applies(seen):
@@ -114,6 +115,7 @@ def test_hits_load_inside_the_step_and_outputs_match(tiny_model: Path, reference
     assert cmp.identical, cmp.report()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("budget", [0, CHUNK_BYTES], ids=["off", "below-one-hit"])
 def test_hits_over_the_budget_load_between_steps(
     tiny_model: Path, reference: Any, budget: int
@@ -126,6 +128,7 @@ def test_hits_over_the_budget_load_between_steps(
     assert cmp.identical, cmp.report()
 
 
+@pytest.mark.e2e
 def test_a_failed_load_inside_the_step_is_recomputed(tiny_model: Path, reference: Any) -> None:
     with failing_copies(loads=True) as refused:
         result, seen = _run(tiny_model, None)
