@@ -215,10 +215,12 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         connector_worker = self.connector_worker
         if not sync_loads.idle(connector_worker, metadata):
             return metadata, False, False
+        worker = spec._worker
         quiet = (
-            _NO_BASE_LOAD_ERRORS
+            worker is not None
+            and _NO_BASE_LOAD_ERRORS
             and not self._failed_recving
-            and spec._worker.quiet
+            and worker.quiet
             and store_planning.reports_nothing(connector_worker, metadata)
         )
         return metadata, True, quiet
