@@ -7,10 +7,17 @@ from collections.abc import Callable, Hashable, Sequence
 import pytest
 
 from kvtier.blockpool import ARCPolicy, FrecencyPolicy, HostBlockPool, LRUPolicy, make_policy
+from kvtier.blockpool.policy_frecency import FrecencyEntry
 
 
 def always(_: Hashable) -> bool:
     return True
+
+
+def _entry(policy: FrecencyPolicy, key: str) -> FrecencyEntry:
+    entry = policy.entry(key)
+    assert entry is not None, f"{key!r} has no entry"
+    return entry
 
 
 def test_lru_evicts_least_recently_used_first() -> None:
@@ -155,7 +162,7 @@ def test_frecency_halves_uses_when_lru_would_have_hit_more() -> None:
     policy.touch_prefix(["old"], ())
     for _ in range(3):  # three more requests use it; they hit, as under LRU
         policy.touch_prefix(["old"], {"old"})
-    assert policy._seen["old"].uses == 4
+    assert _entry(policy, "old").uses == 4
     policy.insert(["x"])
     policy.touch_prefix(["x"], ())
     # "x" comes back within 2 stored blocks, twice, after frecency evicted it: two
@@ -164,7 +171,7 @@ def test_frecency_halves_uses_when_lru_would_have_hit_more() -> None:
         assert policy.evict(1, lambda key: key == "x") == ["x"]
         policy.insert(["x"])
         policy.touch_prefix(["x"], ())
-    assert policy._seen["old"].uses == 2
+    assert _entry(policy, "old").uses == 2
 
 
 @pytest.mark.parametrize("comes_back", ["insert", "touch", "touch_prefix"])
@@ -187,14 +194,14 @@ def test_frecency_halves_a_ghosts_uses_when_it_comes_back(comes_back: str) -> No
         assert policy.evict(1, lambda key: key == "x") == ["x"]
         policy.insert(["x"])
         policy.touch_prefix(["x"], ())
-    assert policy._seen["old"].uses == 2
+    assert _entry(policy, "old").uses == 2
     if comes_back == "insert":
         policy.insert(["g"])
-        assert policy._seen["g"].uses == 2
+        assert _entry(policy, "g").uses == 2
     else:
         getattr(policy, comes_back)(["g"], *([()] if comes_back == "touch_prefix" else []))
-        assert policy._seen["g"].uses == 3, "4 halved, plus this use"
-    assert policy.score("g") == 2 + (comes_back != "insert") + policy._seen["g"].clock
+        assert _entry(policy, "g").uses == 3, "4 halved, plus this use"
+    assert policy.score("g") == 2 + (comes_back != "insert") + _entry(policy, "g").clock
 
 
 class EvictNewestFirst:
@@ -222,10 +229,7 @@ class EvictNewestFirst:
 
 
 def _frecency_state(policy: FrecencyPolicy) -> dict[str, object]:
-    seen = {
-        key: (e.uses, e.halvings, e.clock, e.stored_at, e.restored, e.order, e.item)
-        for key, e in policy._seen.items()
-    }
+    seen = {key: tuple(policy.entry(key) or ()) for key in policy._seen}
     fields = ("clock", "stored", "tau", "_order", "_halvings", "_next_tune", "_heap")
     return {
         "seen": seen,
@@ -372,3 +376,29 @@ def test_a_policy_without_touch_prefix_is_touched_when_a_request_finishes() -> N
     pool = HostBlockPool(3, cache_policy_module_path=f"{__name__}:RecordTouches")
     pool.finish_request([b"a", b"b", b"c"], reused={b"a"})
     assert pool.policy.touched == [[b"a", b"b", b"c"]]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "frecency"])
+def test_a_policy_keeps_no_object_per_key_for_the_garbage_collector(name: str) -> None:
+    """A full collection stops the engine's thread for as long as it takes to visit
+    every tracked object: a policy holding many keys (and ghosts) must not add one
+    per key."""
+    import gc
+
+    from kvtier.blockpool.bench import make_keys
+
+    n = 2000
+    keys = make_keys(4 * n)
+    gc.collect()
+    before = len(gc.get_objects())
+    policy = make_policy(name, n)
+    for i in range(0, len(keys), 16):
+        batch = keys[i : i + 16]
+        if i >= n:  # full: make room first, leaving ghosts
+            assert policy.evict(len(batch), always) is not None
+        policy.insert(batch)
+        policy.touch(batch[:4])
+    gc.collect()  # (a plain tuple of numbers and bytes is untracked when collected)
+    gc.collect()
+    added = len(gc.get_objects()) - before
+    assert added < n // 20, f"{added} tracked objects for {n} keys and their ghosts"

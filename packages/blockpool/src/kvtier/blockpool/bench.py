@@ -22,6 +22,14 @@ running requests replays vLLM 0.23's offloading connector, which stores each new
 block and then touches every key of the request (vLLM 0.32 and later touch a
 request's keys once, when it finishes). The table gives microseconds per step in
 stores and in touches, for kvtier's ARC and frecency pools and vLLM's ARC manager.
+
+    python -m kvtier.blockpool.bench --gc [--keys 100000]
+
+measures what a pool adds to Python's full garbage collections, which stop the
+engine's thread wherever they fall: each pool (each policy, beside vLLM's manager)
+holds ``--keys`` blocks after storing three times as many, the heap before it frozen
+(as vLLM's engine freezes its own after start-up); the table gives the objects the
+collector tracks per cached block and a full collection's milliseconds.
 """
 
 from __future__ import annotations
@@ -339,6 +347,70 @@ def measure_steps(shape: tuple[int, int, int], with_vllm: bool, repeats: int) ->
     return best
 
 
+GC_ROUNDS = 3  # the keys stored, in pool capacities: evictions leave ghosts
+
+
+def _full_collection_ms(repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        gc.collect()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1000
+
+
+def measure_gc(n_keys: int, with_vllm: bool, repeats: int) -> list[dict[str, Any]]:
+    """Per policy, for kvtier's pool and vLLM's manager: the objects the garbage
+    collector tracks per cached block, and a full collection's milliseconds, once the
+    pool holds ``n_keys`` blocks after ``GC_ROUNDS`` times as many were stored in
+    batches of 16. Everything allocated before is frozen (``gc.freeze``), as vLLM's
+    engine does after start-up, so the figures are the pool's alone."""
+    batches = batched(make_keys(GC_ROUNDS * n_keys), 16)
+    drivers: list[type[KvtierDriver] | type[VllmDriver]] = [KvtierDriver] + (
+        [VllmDriver] if with_vllm else []
+    )
+    rows = []
+    for policy in POLICIES:
+        row: dict[str, Any] = {"policy": policy}
+        for driver in drivers:
+            gc.collect()
+            gc.freeze()
+            try:
+                before = len(gc.get_objects())
+                drv: Any = driver(n_keys, policy, batches)
+                drv.run("prepare_store_evict", 0, len(batches), batches)
+                gc.collect()  # (a tuple of untracked items is untracked when collected)
+                gc.collect()
+                row[f"{driver.name}_objects_per_key"] = (len(gc.get_objects()) - before) / n_keys
+                row[f"{driver.name}_full_gc_ms"] = _full_collection_ms(repeats)
+                del drv
+            finally:
+                gc.unfreeze()
+        rows.append(row)
+    return rows
+
+
+def format_gc(rows: list[dict[str, Any]], n_keys: int) -> str:
+    has_vllm = any("vllm_full_gc_ms" in r for r in rows)
+    header = f"{'policy':<10}{'kvtier objects/block':>22}{'kvtier full GC ms':>19}"
+    if has_vllm:
+        header += f"{'vLLM objects/block':>20}{'vLLM full GC ms':>17}{'ratio':>8}"
+    lines = [
+        f"garbage collector, {n_keys:,} blocks cached ({GC_ROUNDS}x as many stored)",
+        header,
+        "-" * len(header),
+    ]
+    for r in rows:
+        line = (
+            f"{r['policy']:<10}{r['kvtier_objects_per_key']:>22.2f}{r['kvtier_full_gc_ms']:>19.1f}"
+        )
+        if has_vllm:
+            ratio = r["vllm_full_gc_ms"] / max(r["kvtier_full_gc_ms"], 1e-3)
+            line += f"{r['vllm_objects_per_key']:>20.2f}{r['vllm_full_gc_ms']:>17.1f}{ratio:>7.1f}x"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def format_steps(rows: list[tuple[tuple[int, int, int], dict[str, float]]]) -> str:
     header = (
         f"{'requests':>9}{'context':>9}{'block':>7}{'keys touched':>14}"
@@ -416,12 +488,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps", action="store_true", help="cost per scheduler step of vLLM 0.23's calls"
     )
+    parser.add_argument(
+        "--gc", action="store_true", help="what a full pool adds to a full garbage collection"
+    )
     args = parser.parse_args(argv)
     if args.keys < 64:
         parser.error("--keys must be at least 64")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     with_vllm = not args.no_vllm and vllm_available()
+    if args.gc:
+        gc_rows = measure_gc(args.keys, with_vllm, args.repeats)
+        print(format_gc(gc_rows, args.keys))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"keys": args.keys, "gc": gc_rows}, indent=2))
+        return 0
     if args.steps:
         rows = [(shape, measure_steps(shape, with_vllm, args.repeats)) for shape in STEP_SHAPES]
         print(format_steps(rows))

@@ -7,6 +7,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
 from heapq import heapify, heappop, heappush
 from math import ldexp
+from typing import NamedTuple
 
 from kvtier.blockpool.policy_base import NO_KEY, Key
 
@@ -14,26 +15,20 @@ _GHOST_ITEM: tuple[float, int, Key] = (0.0, -1, NO_KEY)
 """An evicted key's item: in no queue."""
 
 
-class _Entry:
-    """What frecency knows of a cached key or a ghost. A touch writes three fields in
-    place: an object with slots holds them inline, one memory read away."""
+class FrecencyEntry(NamedTuple):
+    """What frecency knows of a cached key or a ghost (:meth:`FrecencyPolicy.entry`)."""
 
-    __slots__ = ("clock", "halvings", "item", "order", "restored", "stored_at", "uses")
-
-    def __init__(
-        self, clock: float, order: int, item: tuple[float, int, Key], halvings: int
-    ) -> None:
-        self.uses: float = 0  # uses so far (halved as tuned)
-        # The policy's halvings already applied to ``uses``: a ghost's uses are halved
-        # when it is next used or stored (a halving goes over the cached keys only).
-        self.halvings = halvings
-        self.clock = clock  # the virtual clock at the last use
-        self.stored_at = -1  # blocks stored before the last use (-1: never used)
-        self.restored = False  # stored again since: its next use was a miss
-        self.order = order  # order of the last use
-        # Its item in the queue while cached: (score when queued, order, key);
-        # _GHOST_ITEM while a ghost.
-        self.item = item
+    uses: float  # uses so far (halved as tuned)
+    # The policy's halvings already applied to ``uses``: a ghost's uses are halved
+    # when it is next used or stored (a halving goes over the cached keys only).
+    halvings: int
+    clock: float  # the virtual clock at the last use
+    stored_at: int  # blocks stored before the last use (-1: never used)
+    restored: bool  # stored again since: its next use was a miss
+    order: int  # order of the last use
+    # Its item in the queue while cached: (score when queued, order, key);
+    # _GHOST_ITEM while a ghost.
+    item: tuple[float, int, Key]
 
 
 class FrecencyPolicy:
@@ -69,21 +64,34 @@ class FrecencyPolicy:
     score, any other goes. A key never seen before enters at the clock with no uses, so
     such keys arrive in score order: they wait in a FIFO (an append, not a heap push),
     and eviction takes the lower of its head and the heap's.
+
+    Each key's entry is a row of seven lists (a row number per key, rows of forgotten
+    keys used again), not an object: the garbage collector tracks no object per key,
+    so a full collection in a process holding millions of keys (an fs tier's index,
+    its ghosts) does not go over each of them, as it would go over an object each.
     """
 
     __slots__ = (
+        "_clocks",
         "_distances",
+        "_free",
         "_fresh",
         "_ghosts",
+        "_halved",
         "_halvings",
         "_heap",
+        "_items",
         "_lead",
         "_next_tune",
         "_order",
+        "_orders",
         "_parked",
         "_parked_gen",
+        "_restored",
         "_reuses",
         "_seen",
+        "_stored_at",
+        "_uses",
         "capacity",
         "clock",
         "max_ghosts",
@@ -102,7 +110,16 @@ class FrecencyPolicy:
         self.stored = 0  # blocks stored so far: reuse distances are counted in them
         self._order = 0  # uses so far, to order equal scores
         self._next_tune = self.capacity
-        self._seen: dict[Key, _Entry] = {}  # cached keys and ghosts -> entry
+        self._seen: dict[Key, int] = {}  # cached keys and ghosts -> their entry's row
+        # The entries, a list per field (FrecencyEntry's), by row; rows to use again.
+        self._uses: list[float] = []
+        self._halved: list[int] = []
+        self._clocks: list[float] = []
+        self._stored_at: list[int] = []
+        self._restored: list[bool] = []
+        self._orders: list[int] = []
+        self._items: list[tuple[float, int, Key]] = []
+        self._free: list[int] = []
         self._ghosts: OrderedDict[Key, None] = OrderedDict()  # first evicted first
         self._heap: list[tuple[float, int, Key]] = []
         # Keys never seen before, queued in insertion order, which is their score order.
@@ -115,25 +132,71 @@ class FrecencyPolicy:
         # heap while the pool's generation says no key became evictable since.
         self._parked: list[tuple[float, int, Key]] = []
         self._parked_gen: int | None = None
-        self._halvings = 0  # halvings of the uses so far (see _Entry.halvings)
+        self._halvings = 0  # halvings of the uses so far (see FrecencyEntry.halvings)
+
+    def _new(self, clock: float, order: int, item: tuple[float, int, Key], halvings: int) -> int:
+        """A new entry's row: no uses, last used now (``clock``, ``order``), queued as
+        ``item``, its uses as of ``halvings``."""
+        free = self._free
+        if free:
+            row = free.pop()
+            self._uses[row] = 0
+            self._halved[row] = halvings
+            self._clocks[row] = clock
+            self._stored_at[row] = -1
+            self._restored[row] = False
+            self._orders[row] = order
+            self._items[row] = item
+            return row
+        self._uses.append(0)
+        self._halved.append(halvings)
+        self._clocks.append(clock)
+        self._stored_at.append(-1)
+        self._restored.append(False)
+        self._orders.append(order)
+        self._items.append(item)
+        return len(self._items) - 1
+
+    def _forget(self, key: Key) -> None:
+        """Drop ``key``'s entry (KeyError if it has none); its row is used again."""
+        row = self._seen.pop(key)
+        self._items[row] = _GHOST_ITEM  # (holds no key)
+        self._free.append(row)
+
+    def entry(self, key: Key) -> FrecencyEntry | None:
+        """``key``'s entry as it is now, or None: a copy, for tests and inspection."""
+        row = self._seen.get(key)
+        if row is None:
+            return None
+        return FrecencyEntry(
+            self._uses[row],
+            self._halved[row],
+            self._clocks[row],
+            self._stored_at[row],
+            self._restored[row],
+            self._orders[row],
+            self._items[row],
+        )
 
     def insert(self, keys: Sequence[Key]) -> None:
         """``keys`` entered the cache; a ghost gets its uses back."""
         seen, ghosts, heap, fresh = self._seen, self._ghosts, self._heap, self._fresh
+        uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
+        halved, stored_at = self._halved, self._stored_at
         clock, order, halvings = self.clock, self._order, self._halvings
         for key in reversed(keys):  # the tail first: it goes first among equals
-            entry = seen.get(key)
+            row = seen.get(key)
             order += 1
-            if entry is None:
+            if row is None:
                 item = (clock, order, key)
-                seen[key] = _Entry(clock, order, item, halvings)
+                seen[key] = self._new(clock, order, item, halvings)
                 fresh.append(item)
                 continue
-            if ghosts.pop(key, NO_KEY) is not NO_KEY and entry.stored_at >= 0:
-                entry.restored = True  # stored again: its next use was a miss
-            if entry.halvings != halvings:
-                self._catch_up(entry)
-            item = entry.item = (entry.uses + entry.clock, entry.order, key)
+            if ghosts.pop(key, NO_KEY) is not NO_KEY and stored_at[row] >= 0:
+                self._restored[row] = True  # stored again: its next use was a miss
+            if halved[row] != halvings:
+                self._catch_up(row)
+            item = items[row] = (uses[row] + clocks[row], orders[row], key)
             heappush(heap, item)
         self._order = order
         self.stored += len(keys)
@@ -146,20 +209,21 @@ class FrecencyPolicy:
         scores, order, clock and tunings (a tier indexes the files a poll found written
         so, in the order they landed)."""
         seen, ghosts = self._seen, self._ghosts
+        uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
         for key in keys:
-            entry = seen.get(key)
+            row = seen.get(key)
             order = self._order = self._order + 1
             clock = self.clock
-            if entry is None:
+            if row is None:
                 item = (clock, order, key)
-                seen[key] = _Entry(clock, order, item, self._halvings)
+                seen[key] = self._new(clock, order, item, self._halvings)
                 self._fresh.append(item)
             else:
-                if ghosts.pop(key, NO_KEY) is not NO_KEY and entry.stored_at >= 0:
-                    entry.restored = True  # stored again: its next use was a miss
-                if entry.halvings != self._halvings:
-                    self._catch_up(entry)
-                item = entry.item = (entry.uses + entry.clock, entry.order, key)
+                if ghosts.pop(key, NO_KEY) is not NO_KEY and self._stored_at[row] >= 0:
+                    self._restored[row] = True  # stored again: its next use was a miss
+                if self._halved[row] != self._halvings:
+                    self._catch_up(row)
+                item = items[row] = (uses[row] + clocks[row], orders[row], key)
                 heappush(self._heap, item)
             self.stored += 1
             self.clock = clock + 1 / self.tau
@@ -171,14 +235,15 @@ class FrecencyPolicy:
         this for a request's keys at every store, so it is kept lean: it feeds neither
         the reuse distances nor the comparison with LRU. Unknown keys are ignored."""
         clock, order, halvings = self.clock, self._order, self._halvings
-        for entry in map(self._seen.get, reversed(keys)):
-            if entry is not None:
-                if entry.halvings != halvings:
-                    self._catch_up(entry)
+        uses, clocks, orders, halved = self._uses, self._clocks, self._orders, self._halved
+        for row in map(self._seen.get, reversed(keys)):
+            if row is not None:
+                if halved[row] != halvings:
+                    self._catch_up(row)
                 order += 1
-                entry.uses += 1
-                entry.clock = clock
-                entry.order = order
+                uses[row] += 1
+                clocks[row] = clock
+                orders[row] = order
         self._order = order
 
     def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
@@ -188,23 +253,26 @@ class FrecencyPolicy:
         distances = self._distances
         clock, now, capacity, order = self.clock, self.stored, self.capacity, self._order
         halvings = self._halvings
+        uses, clocks, orders, halved = self._uses, self._clocks, self._orders, self._halved
+        stored_at, restored = self._stored_at, self._restored
         reuses = lead = 0  # lead: reuses that hit, less those LRU would have hit
-        for entry in map(self._seen.get, reversed(keys)):
-            if entry is None:
+        for row in map(self._seen.get, reversed(keys)):
+            if row is None:
                 continue
-            if entry.halvings != halvings:
-                self._catch_up(entry)
-            if entry.stored_at >= 0:  # used before: a reuse
-                distance = now - entry.stored_at
+            if halved[row] != halvings:
+                self._catch_up(row)
+            last = stored_at[row]
+            if last >= 0:  # used before: a reuse
+                distance = now - last
                 distances[distance.bit_length()] += 1
                 reuses += 1
-                lead += (not entry.restored) - (distance <= capacity)
-                entry.restored = False
+                lead += (not restored[row]) - (distance <= capacity)
+                restored[row] = False
             order += 1
-            entry.uses += 1
-            entry.clock = clock
-            entry.stored_at = now
-            entry.order = order
+            uses[row] += 1
+            clocks[row] = clock
+            stored_at[row] = now
+            orders[row] = order
         self._order = order
         self._lead += lead
         self._reuses += reuses
@@ -213,7 +281,7 @@ class FrecencyPolicy:
 
     def remove(self, key: Key) -> None:
         """``key`` left the cache other than by ``evict``; it leaves no ghost."""
-        del self._seen[key]
+        self._forget(key)
 
     def evict(
         self,
@@ -237,6 +305,7 @@ class FrecencyPolicy:
         if n <= 0:
             return []
         heap, fresh, seen = self._heap, self._fresh, self._seen
+        uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
         parked = self._parked
         if parked and (generation is None or generation != self._parked_gen):
             for item in parked:  # some may be evictable now: queue them again
@@ -244,22 +313,22 @@ class FrecencyPolicy:
             parked.clear()
         self._parked_gen = generation
         park = parked.append if generation is not None else None
-        victims: list[_Entry] = []
+        victims: list[int] = []  # their rows
         refused: list[tuple[float, int, Key]] = []
         while len(victims) < n and (heap or fresh):
             from_fresh = fresh and (not heap or fresh[0] < heap[0])
             item = fresh.popleft() if from_fresh else heappop(heap)
             key = item[2]
-            entry = seen.get(key)
-            if entry is None or entry.item is not item:
+            row = seen.get(key)
+            if row is None or items[row] is not item:
                 continue  # the key left the cache
-            if entry.order != item[1]:  # used since it was queued: queue it anew
-                item = entry.item = (entry.uses + entry.clock, entry.order, key)
+            if orders[row] != item[1]:  # used since it was queued: queue it anew
+                item = items[row] = (uses[row] + clocks[row], orders[row], key)
                 heappush(heap, item)
             elif key in protected:
                 refused.append(item)
             elif evictable(key):
-                victims.append(entry)
+                victims.append(row)
             elif park is not None:
                 park(item)
             else:
@@ -267,18 +336,18 @@ class FrecencyPolicy:
         for item in refused:
             heappush(heap, item)
         if len(victims) < n:
-            for entry in victims:
-                heappush(heap, entry.item)
+            for row in victims:
+                heappush(heap, items[row])
             return None
         ghosts = self._ghosts
         keys = []
-        for entry in victims:
-            key = entry.item[2]
-            entry.item = _GHOST_ITEM
+        for row in victims:
+            key = items[row][2]
+            items[row] = _GHOST_ITEM
             ghosts[key] = None
             keys.append(key)
         while len(ghosts) > self.max_ghosts:
-            del seen[ghosts.popitem(last=False)[0]]
+            self._forget(ghosts.popitem(last=False)[0])
         return keys
 
     def _tune(self) -> None:
@@ -308,41 +377,44 @@ class FrecencyPolicy:
         (:meth:`_catch_up`)."""
         self._halvings += 1
         halvings, seen = self._halvings, self._seen
+        uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
+        halved = self._halved
         heap: list[tuple[float, int, Key]] = []
         for queue in (self._heap, self._fresh, self._parked):
             for item in queue:
-                entry = seen.get(item[2])
-                if entry is None or entry.item is not item:
+                row = seen.get(item[2])
+                if row is None or items[row] is not item:
                     continue  # a key that left the cache, or an item queued again since
-                entry.uses = ldexp(entry.uses, entry.halvings - halvings)
-                entry.halvings = halvings
-                entry.item = (entry.uses + entry.clock, entry.order, item[2])
-                heap.append(entry.item)
+                uses[row] = ldexp(uses[row], halved[row] - halvings)
+                halved[row] = halvings
+                items[row] = (uses[row] + clocks[row], orders[row], item[2])
+                heap.append(items[row])
         heapify(heap)
         self._heap = heap
         self._fresh.clear()
         self._parked.clear()  # every cached key is queued anew above
 
-    def _catch_up(self, entry: _Entry) -> None:
+    def _catch_up(self, row: int) -> None:
         """Apply to a ghost's uses the halvings it missed (halving by a power of two
         is exact, as each halving is)."""
-        entry.uses = ldexp(entry.uses, entry.halvings - self._halvings)
-        entry.halvings = self._halvings
+        self._uses[row] = ldexp(self._uses[row], self._halved[row] - self._halvings)
+        self._halved[row] = self._halvings
 
     def score(self, key: Key) -> float:
         """``key``'s score now (cached keys and ghosts)."""
-        entry = self._seen[key]
-        if entry.halvings != self._halvings:
-            self._catch_up(entry)
-        return float(entry.uses + entry.clock)
+        row = self._seen[key]
+        if self._halved[row] != self._halvings:
+            self._catch_up(row)
+        return float(self._uses[row] + self._clocks[row])
 
     def keys_in_eviction_order(self) -> list[Key]:
         """Cached keys, lowest score first, ties in the order of their last use."""
+        uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
         return [
             key
             for _, _, key in sorted(
-                (entry.uses + entry.clock, entry.order, key)
-                for key, entry in self._seen.items()
-                if entry.item is not _GHOST_ITEM
+                (uses[row] + clocks[row], orders[row], key)
+                for key, row in self._seen.items()
+                if items[row] is not _GHOST_ITEM
             )
         ]
