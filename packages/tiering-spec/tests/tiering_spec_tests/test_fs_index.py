@@ -175,3 +175,26 @@ def test_capacity_edges() -> None:
     assert small.current == 2 * ENTRY and not small.lowered
     small.reset(5 * ENTRY)
     assert small.current == small.target == 5 * ENTRY
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "frecency"])
+def test_the_index_keeps_no_object_per_file_for_the_garbage_collector(policy: str) -> None:
+    """A full collection visits every tracked object while the engine's thread
+    waits: an fs tier indexes millions of files, so an entry must not be one."""
+    import gc
+
+    n = 2000
+    index = FsIndex(1 << 20, policy, n)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(0, n, 16):
+        index.add_all(
+            [(i.to_bytes(4, "little") + j.to_bytes(28, "little"), b"k") for j in range(16)]
+        )
+    evicted = index.make_room(index.used // 2, index.used, lambda _digest: False)
+    assert evicted and evicted[0][1].nbytes == 1 << 20  # entries still read by name
+    del evicted  # (what it hands out is the caller's to keep)
+    gc.collect()  # (a plain tuple of numbers and bytes is untracked when collected)
+    gc.collect()
+    added = len(gc.get_objects()) - before
+    assert added < n // 20, f"{added} tracked objects for {n} files"

@@ -6,20 +6,17 @@ property tests drive it alone."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import cast
+from typing import NamedTuple, cast
 
 from kvtier.blockpool.policies import finish_request, make_policy
 
 
-class FsEntry:
+class FsEntry(NamedTuple):
     """One indexed file (all ranks' files of one key): its bytes, and its key where the
     tier wrote it (None for a file found on disk, whose key is only in its header)."""
 
-    __slots__ = ("key", "nbytes")
-
-    def __init__(self, nbytes: int, key: bytes | None) -> None:
-        self.nbytes = nbytes
-        self.key = key
+    nbytes: int
+    key: bytes | None
 
 
 class FsIndex:
@@ -38,7 +35,10 @@ class FsIndex:
         self.entry_bytes = entry_bytes
         self.used = 0
         self.reserved = 0
-        self._entries: dict[bytes, FsEntry] = {}
+        # digest -> (bytes, key): a plain tuple of a number and bytes, which the garbage
+        # collector stops tracking, so a full collection does not visit every file of
+        # a large tier (an object, or a named tuple, it would visit each time).
+        self._entries: dict[bytes, tuple[int, bytes | None]] = {}
         self._policy = make_policy(policy, max(1, capacity_entries))
         self._insert_each = getattr(self._policy, "insert_each", None)
         # Raised whenever a digest is added or removed: equal counts, the same digests.
@@ -62,7 +62,7 @@ class FsIndex:
         the policy sees each stored on its own."""
         table, nbytes = self._entries, self.entry_bytes
         for digest, key in entries:
-            table[digest] = FsEntry(nbytes, key)
+            table[digest] = (nbytes, key)
         if self._insert_each is not None:  # (frecency's: one call)
             self._insert_each([digest for digest, _key in entries])
         else:
@@ -75,11 +75,12 @@ class FsIndex:
     def remove(self, digest: bytes) -> FsEntry | None:
         """Forget ``digest`` (no ghost is kept); its entry, or None if not indexed."""
         entry = self._entries.pop(digest, None)
-        if entry is not None:
-            self.changes += 1
-            self._policy.remove(digest)
-            self.used -= entry.nbytes
-        return entry
+        if entry is None:
+            return None
+        self.changes += 1
+        self._policy.remove(digest)
+        self.used -= entry[0]
+        return FsEntry(*entry)
 
     def touch(self, digests: Sequence[bytes]) -> None:
         """``digests`` were used, head first; unknown ones are ignored."""
@@ -116,7 +117,7 @@ class FsIndex:
             return None
         evicted = []
         for digest in chosen:
-            entry = self._entries.pop(digest)
+            entry = FsEntry(*self._entries.pop(digest))
             self.used -= entry.nbytes
             evicted.append((digest, entry))
         self.changes += 1
