@@ -61,23 +61,3 @@ def test_completions_not_yet_sent_are_read_from_the_worker_and_assumed_where_unk
     assert not store_planning.worker_meta_waiting(SimpleNamespace(_connector_worker_meta=sent))
     assert store_planning.worker_meta_waiting(SimpleNamespace())  # no such record: assume some
     assert store_planning.worker_meta_waiting(None)
-
-
-def test_reports_nothing_reads_planned_stores_and_unsent_completions_at_once() -> None:
-    from kvtier.vllm_port import store_planning
-
-    def worker(completed: set[int] | None) -> SimpleNamespace:
-        if completed is None:
-            return SimpleNamespace()  # keeps no such record
-        return SimpleNamespace(_connector_worker_meta=SimpleNamespace(completed_jobs=completed))
-
-    metas = [SimpleNamespace(store_jobs={}), SimpleNamespace(store_jobs={1: object()})]
-    metas += [SimpleNamespace(), None]
-    for meta in metas:
-        for completed in (set(), {3}, None):
-            w = worker(completed)
-            expected = not (
-                store_planning.plans_stores(meta) or store_planning.worker_meta_waiting(w)
-            )
-            assert store_planning.reports_nothing(w, meta) is expected, (meta, completed)
-    assert store_planning.reports_nothing(worker(set()), metas[0])  # the one quiet case

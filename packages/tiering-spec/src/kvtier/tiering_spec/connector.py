@@ -221,7 +221,8 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
             and _NO_BASE_LOAD_ERRORS
             and not self._failed_recving
             and worker.quiet
-            and store_planning.reports_nothing(connector_worker, metadata)
+            and not store_planning.plans_stores(metadata)
+            and not store_planning.worker_meta_waiting(connector_worker)
         )
         return metadata, True, quiet
 

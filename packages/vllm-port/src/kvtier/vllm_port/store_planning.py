@@ -407,14 +407,6 @@ def worker_meta_waiting(connector_worker: Any) -> bool:
     return bool(getattr(meta, "completed_jobs", True))
 
 
-def reports_nothing(connector_worker: Any, metadata: Any) -> bool:
-    """Whether a step's connector ``metadata`` plans no store and vLLM's connector
-    worker holds no completed job unsent: not :func:`plans_stores` and not
-    :func:`worker_meta_waiting`, read at once (asked at every step's start)."""
-    sent = getattr(connector_worker, "_connector_worker_meta", None)
-    return not (getattr(metadata, "store_jobs", True) or getattr(sent, "completed_jobs", True))
-
-
 def plans_stores(metadata: Any) -> bool:
     """Whether a step's connector ``metadata`` plans stores (vLLM releases before 0.32
     queue them in the worker's ``get_finished``); True where it has no such field."""
@@ -426,7 +418,6 @@ __all__ = [
     "plan_stores_for_candidates",
     "plans_stores",
     "quiet_steps",
-    "reports_nothing",
     "speed_up",
     "update_keys_when_new",
     "worker_meta_waiting",
