@@ -167,14 +167,35 @@ def copy_stats(stats: Any) -> Any:
 
 class QuietGauges:
     """:func:`gauge_stats` for a step where nothing changed (most steps): the stats of
-    the same rows (the same tuple) are made once and copied after, never handed out
-    twice (vLLM's scheduler and its stats loggers aggregate into the stats they get)."""
+    the same rows (the same tuple) are made once by vLLM's ``set_gauge``, and each call
+    hands out a new object of their class with its own copy of that layout (vLLM's
+    scheduler and its stats loggers aggregate into the stats they get, so none is
+    handed out twice). Asked every engine step: the copy is two dict literals, not
+    :func:`copy_stats`' walk over any layout."""
 
     def __init__(self) -> None:
         self._rows: tuple[tuple[str, Any], ...] | None = None
         self._stats: Any = None
+        # (types key, types, values key, values by name) where the stats have vLLM's
+        # layout, {types: {name: type}, data: {name: {labels: value}}}; else None.
+        self._layout: tuple[str, dict[str, Any], str, dict[str, Any]] | None = None
 
     def __call__(self, rows: tuple[tuple[str, Any], ...]) -> Any:
         if rows is not self._rows:
-            self._stats, self._rows = gauge_stats(rows), rows
-        return copy_stats(self._stats)
+            stats = gauge_stats(rows)
+            self._rows, self._stats, self._layout = rows, stats, None
+            parts = list(stats.data.items())
+            if len(parts) == 2 and all(type(part) is dict for _, part in parts):
+                (types_key, types), (values_key, values) = parts
+                if all(type(v) is dict for v in values.values()):
+                    self._layout = (types_key, types, values_key, values)
+        layout = self._layout
+        if layout is None:
+            return copy_stats(self._stats)
+        types_key, types, values_key, values = layout
+        return type(self._stats)(
+            data={
+                types_key: types.copy(),
+                values_key: {name: by_labels.copy() for name, by_labels in values.items()},
+            }
+        )
