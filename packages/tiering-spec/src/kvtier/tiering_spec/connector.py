@@ -426,7 +426,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         if manager is not None:
             # Admitted (vLLM may admit it without asking the manager, its prompt all
             # on the device): it no longer waits, nothing is promoted ahead for it.
-            manager.core.forget_ahead(request.request_id)
+            manager.forget_ahead(request.request_id)
         return super().update_state_after_alloc(request, *args, **kwargs)
 
     def take_events(self) -> Any:

@@ -394,28 +394,37 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         if success and secondary and self.secondary_tiers:
             self._write_through(keys)
 
-    def end_step(self) -> None:
+    def end_step(self) -> bool:
         """Once per scheduler step: apply completions, forget the lookup pass, release
         promoted blocks not loaded within ``FRESH_STEPS``, promote ahead for queued
-        requests (:class:`TierPromotions`), submit what waits."""
+        requests (:class:`TierPromotions`), submit what waits. False where it found
+        none of these to do (most steps of a host tier alone, and of an fs tier between
+        its writes' completions): then nothing of the tiers changed."""
         # (Each part is looked at before it is called: most steps have none to do.)
+        busy = False
         if self._queued:
             self.flush()
-        if self.secondary_tiers:
-            self.poll()  # (it skips a tier without news)
+            busy = True
+        if self.secondary_tiers and self.poll():  # (it skips a tier without news)
+            busy = True
         self._step += 1
         if self._refused:
             self._expire(self._refused)
+            busy = True
         if self._fresh:
+            busy = True
             for key in self._expire(self._fresh):
                 self.pool.release([key], Hold.PROMOTION)
                 self._leave_room(key)
         if self._pass_req is not None or self._pass_held is not None or self._pass_keys:
             self._end_pass()
+            busy = True
         if self._ahead:
             self._promote_ahead()
             if self._queued:
                 self.flush()  # their reads overlap the next step
+            busy = True
+        return busy
 
     def _begin_pass(self, req_id: str) -> None:
         """A lookup pass for the request ``req_id`` begins (see :meth:`lookup`)."""

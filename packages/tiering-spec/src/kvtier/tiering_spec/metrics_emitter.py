@@ -115,6 +115,9 @@ class MetricsEmitter:
         self._pending: tuple[Any, ...] | None = None  # a signature quiet_gauges found new
         self._faults_seen: dict[str, int] = {}  # tier name -> its fault count at the last rows
         self._deferred = 0  # calls that left a change in lookups alone for later
+        # The rows the last quiet_gauges call answered when it found nothing changed
+        # and nothing waiting; None after any other answer.
+        self.settled_rows: tuple[tuple[str, Any], ...] | None = None
 
     def collect(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         """(kind, name, value, label values) of what changed since the last call: counters
@@ -148,7 +151,9 @@ class MetricsEmitter:
         signed = self._signed
         same = signature == signed
         if same and not self._samples_waiting():
+            self.settled_rows = self._quiet_rows
             return self._quiet_rows
+        self.settled_rows = None
         if (
             defer
             and self._deferred < MAX_DEFERRED_STEPS

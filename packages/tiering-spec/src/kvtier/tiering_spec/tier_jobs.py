@@ -131,16 +131,18 @@ class TierJobs:
 
     # ------------------------------------------------------------------ completion
 
-    def poll(self) -> None:
+    def poll(self) -> bool:
         """Apply the secondary tiers' finished reads and writes to the host tier (each
         result labelled with its job; a job whose items are all back is over, the tier's
         to count). Every tier with news is polled, jobs in flight or not: a poll also
         takes in what the tier found on its own (a start-up scan, files other engines
-        wrote, probe answers)."""
+        wrote, probe answers). Whether some tier had news."""
         pool = self.pool
+        news = False
         for idx, tier in enumerate(self.secondary_tiers):
             if not getattr(tier, "has_news", True):
                 continue  # (most steps: nothing finished, nothing found)
+            news = True
             results = tier.results()
             written: dict[bytes, int] = {}  # write holds to end, ended together below
             try:
@@ -150,6 +152,7 @@ class TierJobs:
                     pool.release(
                         [key for key, n in written.items() for _ in range(n)], Hold.TIER_WRITE
                     )
+        return news
 
     def _apply(self, results: list[TierResult], written: dict[bytes, int], flow: TierFlow) -> None:
         """Apply one tier's ``results`` (see :meth:`poll`); the write holds to end are

@@ -88,6 +88,12 @@ class KvtierOffloadingManager(OffloadingManager):
             self.core, tiering=side.offload.tiering, traffic=side.traffic
         )
         self._quiet_stats = compat.QuietGauges()  # a quiet step's stats, copied
+        # The last get_stats found nothing changed and nothing waiting, and no call that
+        # may change a metric came since (each such call clears it): get_stats then
+        # answers the same gauges without reading the state they come from. Never set
+        # while the traffic is recorded (its thread counts what it drops).
+        self._stats_settled = False
+        self._may_settle = side.traffic is None
         self._hit_sources: dict[str, Any] = {}  # a tier's name -> vLLM's CacheHitSource
         self._failed_stores: list[list[OffloadKey]] = []  # for metadata-only removals
         self._resets = 0  # reset_cache calls: what a request noted before one is stale
@@ -102,6 +108,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return [{**host, label: m.HOST_TIER}] + [{label: t.name} for t in self.core.secondary_tiers]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        self._stats_settled = False
         if self.side.offload.no_loads_reason is not None:
             return compat.lookup_result(Lookup.MISS)
         return compat.lookup_result(
@@ -111,6 +118,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def lookup_answers(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> Iterator[Any]:
         """:meth:`lookup` of each of ``keys``, lazily: one generator for a scan that stops
         where it has its answer (kvtier-vllm-port's sliding-window scan)."""
+        self._stats_settled = False
         miss = self.side.offload.no_loads_reason is not None
         secondary = miss or self._pass_tiers(req_context)
         lookup, convert, req_id = self.core.lookup, compat.lookup_result, req_context.req_id
@@ -144,6 +152,7 @@ class KvtierOffloadingManager(OffloadingManager):
         """:meth:`lookup` of ``keys`` in order up to the first miss, in one call (see
         :mod:`kvtier.vllm_port.lookups`): how many keys lead up to it, and None when all
         are hits, else whether each is a hit (False: pending). Never "retry"."""
+        self._stats_settled = False
         if self.side.offload.no_loads_reason is not None:
             return 0, None
         return self.core.lookup_prefix(
@@ -165,6 +174,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def recount_lookups(self, moves: Sequence[int]) -> None:
         """Lookups answered again without asking, counted as asked."""
+        self._stats_settled = False
         self.core.recount_lookups(moves)
 
     def note_lora(self, req_context: ReqContext, has_lora: bool) -> None:
@@ -184,6 +194,7 @@ class KvtierOffloadingManager(OffloadingManager):
         """Called by kvtier's connector when vLLM adds a request, with its prompt's
         offload keys: what only a secondary tier holds of them is promoted while the
         request waits (see :mod:`kvtier.tiering_spec.tier_promotions`)."""
+        self._stats_settled = False
         if self.side.offload.no_loads_reason is None:
             tiers = self._load_tiers(req_context)
             self.core.ahead(req_context.req_id, cast(Sequence[bytes], keys), tiers)
@@ -221,6 +232,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return hit_source
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        self._stats_settled = False
         blocks = self.core.prepare_load(list(keys))
         state = self._request_reuse(req_context)
         if state is not None:
@@ -243,6 +255,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Order every key the request stored or reused so that its prefix's tail goes
         first and its head last (as vLLM 0.32 does); only reused keys count as a use."""
+        self._stats_settled = False
         self.core.forget_ahead(req_context.req_id)
         self._metrics.emit_next()
         if not compat.PORT.keeps_request_state(req_context):
@@ -261,14 +274,17 @@ class KvtierOffloadingManager(OffloadingManager):
             self.core.finish_request(keys, state.reused)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._stats_settled = False
         self.core.touch(list(keys))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._stats_settled = False
         self.core.complete_load(list(keys))
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        self._stats_settled = False
         keys = list(keys)
         state = self._request_reuse(req_context)
         if state is not None:
@@ -293,6 +309,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
+        self._stats_settled = False
         if not success:
             self._note_failed_store(keys)
         self.core.complete_store(list(keys), success, secondary=self._secondary(req_context))
@@ -300,6 +317,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def fail_store(self, keys: Collection[OffloadKey]) -> None:
         """A store a worker could not copy: its keys are dropped now, never loaded
         (vLLM's own completion of the job then finds nothing stored)."""
+        self._stats_settled = False
         self._note_failed_store(keys)
         self.core.complete_store(list(keys), False)
 
@@ -341,12 +359,14 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: Any = None) -> None:
         self._pass_context = None
-        self.core.end_step()
+        if self.core.end_step():
+            self._stats_settled = False
 
     def has_pending_work(self) -> bool:
         return self.core.has_pending_work()
 
     def reset_cache(self) -> None:
+        self._stats_settled = False
         self._resets += 1
         self._metrics.emit_next()
         self.core.reset(self.side.new_pool())
@@ -354,16 +374,26 @@ class KvtierOffloadingManager(OffloadingManager):
     def emit_metrics_next(self) -> None:
         """A request finished (the connector sees it before vLLM's scheduler tells the
         manager): the next stats carry every change, lookups' too."""
+        self._stats_settled = False
         self._metrics.emit_next()
 
     def collect_metrics(self) -> Iterator[tuple[str, str, Any, tuple[str, ...]]]:
         """(kind, name, value, label values) of kvtier's metrics since the last call."""
         return self._metrics.collect()
 
+    def forget_ahead(self, req_id: str) -> None:
+        """vLLM admitted the request ``req_id``: nothing is promoted ahead for it now."""
+        self._stats_settled = False
+        self.core.forget_ahead(req_id)
+
     def get_stats(self) -> Any:
         metrics = self._metrics
+        settled = metrics.settled_rows
+        if self._stats_settled and settled is not None:  # nothing changed (most steps)
+            return self._quiet_stats(settled)
         quiet = metrics.quiet_gauges(defer=True)
         if quiet is not None:  # most steps: only the gauges vLLM's manager always sends
+            self._stats_settled = self._may_settle and metrics.settled_rows is quiet
             return self._quiet_stats(quiet)
         stats = compat.new_stats()
         metrics.write_changed(stats)
