@@ -3,8 +3,14 @@ in vLLM's queue comes up from the fs tier while it waits."""
 
 from __future__ import annotations
 
+import random
+import time
+
+import pytest
+
 from kvtier.blockpool import Hold
 from kvtier.tiering_spec.manager import FRESH_STEPS, TierManager
+from kvtier.tiering_spec.metrics_emitter import MetricsEmitter
 
 from .test_manager import fs_only, settle
 
@@ -137,3 +143,50 @@ def test_a_request_that_loads_from_no_secondary_tier_is_neither_promoted_nor_hit
     settle(mgr)
     assert mgr.counters.promoted_ahead == 2
     assert mgr.lookup_prefix(prefix, "any", secondary=(True,)) == (2, None)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_step_end_that_says_it_did_nothing_moved_no_metric(make_tier, seed: int) -> None:
+    """``end_step`` is False only where nothing the metrics read changed (the vLLM
+    manager then answers its stats as settled): over random steps of requests waiting
+    with prefixes on the fs tier, lookups, stores, loads and admissions, with the fs
+    tier's jobs finishing between steps or not."""
+    keys = [b"k%d" % i for i in range(24)]
+    mgr = fs_only(make_tier, 8, keys)
+    emitter = MetricsEmitter(mgr, tiering=True)
+    rng = random.Random(seed)
+    waiting: list[str] = []
+    loads: list[list[bytes]] = []
+    fresh = 0
+    idle = 0
+    for step in range(400):
+        what = rng.random()
+        if what < 0.08:
+            req = f"r{step}"
+            start = rng.randrange(len(keys) - 3)
+            mgr.ahead(req, keys[start : start + rng.randrange(1, 4)])
+            waiting.append(req)
+        elif what < 0.14 and waiting:
+            mgr.forget_ahead(waiting.pop(0))  # admitted, or finished while waiting
+        elif what < 0.2:
+            start = rng.randrange(len(keys) - 3)
+            found, _ = mgr.lookup_prefix(keys[start : start + 3], f"q{step}")
+            hits = [k for k in keys[start : start + found] if mgr.pool.contains(k)]
+            if hits:
+                mgr.prepare_load(hits)
+                loads.append(hits)
+        elif what < 0.25 and loads:
+            mgr.complete_load(loads.pop(0))
+        elif what < 0.3:
+            plan = mgr.prepare_store([b"new%d" % (fresh + i) for i in range(2)])
+            if plan is not None:  # (None: the host tier is pinned full now)
+                mgr.complete_store(plan[0])
+            fresh += 2
+        if rng.random() < 0.3:
+            time.sleep(0.003)  # the fs tier's reads and writes land meanwhile
+        before = (emitter._signature(), emitter._samples_waiting())
+        if not mgr.end_step():
+            idle += 1
+            assert (emitter._signature(), emitter._samples_waiting()) == before
+    assert idle > 100, "most steps have nothing to do"
+    settle(mgr)

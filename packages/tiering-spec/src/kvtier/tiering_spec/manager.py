@@ -397,9 +397,9 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
     def end_step(self) -> bool:
         """Once per scheduler step: apply completions, forget the lookup pass, release
         promoted blocks not loaded within ``FRESH_STEPS``, promote ahead for queued
-        requests (:class:`TierPromotions`), submit what waits. False where it found
-        none of these to do (most steps of a host tier alone, and of an fs tier between
-        its writes' completions): then nothing of the tiers changed."""
+        requests (:class:`TierPromotions`), submit what waits. False where it did none
+        of these (most steps of a host tier alone, and of an fs tier between its
+        writes' completions): then nothing the metrics read changed."""
         # (Each part is looked at before it is called: most steps have none to do.)
         busy = False
         if self._queued:
@@ -409,21 +409,23 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
             busy = True
         self._step += 1
         if self._refused:
-            self._expire(self._refused)
-            busy = True
+            self._expire(self._refused)  # (no metric reads them)
         if self._fresh:
-            busy = True
-            for key in self._expire(self._fresh):
+            expired = self._expire(self._fresh)
+            if expired:
+                busy = True
+            for key in expired:
                 self.pool.release([key], Hold.PROMOTION)
                 self._leave_room(key)
         if self._pass_req is not None or self._pass_held is not None or self._pass_keys:
             self._end_pass()
             busy = True
         if self._ahead:
-            self._promote_ahead()
+            if self._promote_ahead():
+                busy = True
             if self._queued:
                 self.flush()  # their reads overlap the next step
-            busy = True
+                busy = True
         return busy
 
     def _begin_pass(self, req_id: str) -> None:

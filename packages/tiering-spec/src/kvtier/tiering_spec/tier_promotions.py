@@ -166,7 +166,7 @@ class TierPromotions:
         if self._ahead:
             self._ahead.pop(req_id, None)
 
-    def _promote_ahead(self) -> None:
+    def _promote_ahead(self) -> bool:
         """At the end of a step: promote what only a secondary tier holds of the prefix
         of the oldest request vLLM has not admitted (the next one it admits), in prefix
         order up to the first key no tier holds. All of it or nothing: a part would
@@ -174,7 +174,8 @@ class TierPromotions:
         last until vLLM admits the request, so they stay within the room (never beyond
         it, as the oldest holder of a lookup may go: stores need the rest). Looked at
         again each step: its cached keys may have been evicted since, and the keys of a
-        prefix another request computes written."""
+        prefix another request computes written. Whether it tried to promote (else it
+        changed nothing but what it remembers of this look)."""
         req_id, (keys, tiers) = next(iter(self._ahead.items()))
         pool = self.pool
         # What the last look found holds while nothing it read changed (most steps).
@@ -187,7 +188,7 @@ class TierPromotions:
             [tier.index_size for tier in self.secondary_tiers],
         )
         if seen == self._ahead_seen:
-            return
+            return False
         self._ahead_seen = seen
         wanted: list[tuple[bytes, bytes, int]] = []  # key, digest, tier index
         end = index = pool.lookup(keys)  # (the leading keys the host tier holds)
@@ -213,7 +214,7 @@ class TierPromotions:
             wanted.append((key, digest, source))
             end = index
         if not wanted or self._room_used() + len(wanted) > self.max_promoting:
-            return
+            return False
         # Its own promotions must not evict the keys it will hit first.
         held = [k for k in keys[:end] if pool.contains(k)]
         pool.hold(held, Hold.LOOKUP_PASS)
@@ -225,3 +226,4 @@ class TierPromotions:
                 self.secondary_tiers[source].served_ahead()  # (its metrics count it)
         finally:
             pool.release(held, Hold.LOOKUP_PASS)
+        return True
