@@ -142,10 +142,19 @@ class ModelFrecency:
         return sorted(self.cached, key=self.score)
 
 
+class OftenRescaled(SmallFrecency):
+    """Scales its entries back every second halving (see ``RESCALE_HALVINGS``)."""
+
+    __slots__ = ()
+    RESCALE_HALVINGS = 2
+
+
 class FrecencyAgainstModel(RuleBasedStateMachine):
+    policy_type: type[FrecencyPolicy] = SmallFrecency
+
     @initialize(capacity=st.integers(1, 8))
     def setup(self, capacity: int) -> None:
-        self.policy = SmallFrecency(capacity)
+        self.policy = self.policy_type(capacity)
         self.model = ModelFrecency(capacity, self.policy.max_ghosts)
         self.refused: set[int] = set()
 
@@ -201,5 +210,18 @@ class FrecencyAgainstModel(RuleBasedStateMachine):
 def test_frecency_policy_matches_model() -> None:
     run_state_machine_as_test(
         FrecencyAgainstModel,
+        settings=settings(max_examples=200, stateful_step_count=60, deadline=None),
+    )
+
+
+class OftenRescaledAgainstModel(FrecencyAgainstModel):
+    policy_type = OftenRescaled
+
+
+def test_frecency_policy_scaled_back_often_matches_model() -> None:
+    """The same, with the scaled uses scaled back every second halving: halvings before
+    and after a rescale, and keys queued on either side of one."""
+    run_state_machine_as_test(
+        OftenRescaledAgainstModel,
         settings=settings(max_examples=200, stateful_step_count=60, deadline=None),
     )

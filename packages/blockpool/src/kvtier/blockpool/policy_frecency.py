@@ -19,15 +19,13 @@ class FrecencyEntry(NamedTuple):
     """What frecency knows of a cached key or a ghost (:meth:`FrecencyPolicy.entry`)."""
 
     uses: float  # uses so far (halved as tuned)
-    # The policy's halvings already applied to ``uses``: a ghost's uses are halved
-    # when it is next used or stored (a halving goes over the cached keys only).
-    halvings: int
+    halvings: int  # the policy's halvings so far, all applied to ``uses``
     clock: float  # the virtual clock at the last use
     stored_at: int  # blocks stored before the last use (-1: never used)
     restored: bool  # stored again since: its next use was a miss
     order: int  # order of the last use
-    # Its item in the queue while cached: (score when queued, order, key);
-    # _GHOST_ITEM while a ghost.
+    # Its item in the queue while cached: (scaled score when queued, order, key; see
+    # FrecencyPolicy), _GHOST_ITEM while a ghost.
     item: tuple[float, int, Key]
 
 
@@ -53,17 +51,25 @@ class FrecencyPolicy:
     (it is used whenever the tail is) and eviction takes a prefix from its tail.
     Keys that left the cache keep their uses as *ghosts*, at most
     ``max(GHOST_KEYS, 4 * capacity)``, the first evicted forgotten first: a
-    conversation that comes back after its blocks were evicted is known again. A
-    halving goes over the cached keys only; a ghost's uses are halved as often when it
-    is next used or stored, so its score is the same, and a halving costs what the
-    cached keys cost, not the ghosts (four times as many, and 64,000 at least).
+    conversation that comes back after its blocks were evicted is known again.
+
+    A halving costs the same at any size: nothing is halved. Each use adds ``2 ** e``
+    to a key's scaled uses, ``e`` being the halvings so far, and keys are ordered by
+    the scaled score, ``scaled uses + 2 ** e * clock``, which is the score times ``2 **
+    e``: the same order, and, scaling by a power of two being exact, the same
+    floating-point comparisons. A halving raises ``e``, so a use counts twice as much
+    as every earlier one, which is what halving the earlier ones does. Scaled scores
+    only grow, halvings included; after ``RESCALE_HALVINGS`` halvings every entry is
+    scaled back at once and ``e`` starts from 0 again (the only pass over all keys,
+    once in that many halvings, each after ``capacity`` stored blocks at least).
 
     A use writes its key's entry and nothing else: each cached key is queued once, with
-    the score it had when queued (a lower bound, as scores only grow between halvings).
-    Eviction takes the lowest; a key used since it was queued is queued again with its
-    score, any other goes. A key never seen before enters at the clock with no uses, so
-    such keys arrive in score order: they wait in a FIFO (an append, not a heap push),
-    and eviction takes the lower of its head and the heap's.
+    the scaled score it had when queued (a lower bound, as scaled scores only grow).
+    Eviction takes the lowest; a key whose scaled score grew since it was queued (used,
+    or halvings since) is queued again with its score, any other goes. A key never seen
+    before enters at the clock with no uses, so such keys arrive in score order: they
+    wait in a FIFO (an append, not a heap push), and eviction takes the lower of its
+    head and the heap's.
 
     Each key's entry is a row of seven lists (a row number per key, rows of forgotten
     keys used again), not an object: the garbage collector tracks no object per key,
@@ -74,10 +80,10 @@ class FrecencyPolicy:
     __slots__ = (
         "_clocks",
         "_distances",
+        "_exponent",
         "_free",
         "_fresh",
         "_ghosts",
-        "_halved",
         "_halvings",
         "_heap",
         "_items",
@@ -89,6 +95,7 @@ class FrecencyPolicy:
         "_parked_gen",
         "_restored",
         "_reuses",
+        "_scale",
         "_seen",
         "_stored_at",
         "_uses",
@@ -101,6 +108,9 @@ class FrecencyPolicy:
     name = "frecency"
     GHOST_KEYS = 64_000
     """Ghosts remembered at least (as many keys as vLLM's admission tracker counts)."""
+    RESCALE_HALVINGS = 512
+    """Halvings after which the scaled uses and scores are scaled back (``2 ** 512``
+    times a clock of ``2 ** 400`` stays far from the largest float)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
@@ -111,9 +121,9 @@ class FrecencyPolicy:
         self._order = 0  # uses so far, to order equal scores
         self._next_tune = self.capacity
         self._seen: dict[Key, int] = {}  # cached keys and ghosts -> their entry's row
-        # The entries, a list per field (FrecencyEntry's), by row; rows to use again.
+        # The entries, a list per field, by row (uses scaled by 2 ** exponent, see the
+        # class); rows to use again.
         self._uses: list[float] = []
-        self._halved: list[int] = []
         self._clocks: list[float] = []
         self._stored_at: list[int] = []
         self._restored: list[bool] = []
@@ -132,16 +142,17 @@ class FrecencyPolicy:
         # heap while the pool's generation says no key became evictable since.
         self._parked: list[tuple[float, int, Key]] = []
         self._parked_gen: int | None = None
-        self._halvings = 0  # halvings of the uses so far (see FrecencyEntry.halvings)
+        self._halvings = 0  # halvings of the uses so far
+        self._exponent = 0  # halvings since the entries were last scaled back
+        self._scale = 1.0  # 2 ** exponent: what a use adds to the scaled uses
 
-    def _new(self, clock: float, order: int, item: tuple[float, int, Key], halvings: int) -> int:
+    def _new(self, clock: float, order: int, item: tuple[float, int, Key]) -> int:
         """A new entry's row: no uses, last used now (``clock``, ``order``), queued as
-        ``item``, its uses as of ``halvings``."""
+        ``item``."""
         free = self._free
         if free:
             row = free.pop()
             self._uses[row] = 0
-            self._halved[row] = halvings
             self._clocks[row] = clock
             self._stored_at[row] = -1
             self._restored[row] = False
@@ -149,7 +160,6 @@ class FrecencyPolicy:
             self._items[row] = item
             return row
         self._uses.append(0)
-        self._halved.append(halvings)
         self._clocks.append(clock)
         self._stored_at.append(-1)
         self._restored.append(False)
@@ -169,8 +179,8 @@ class FrecencyPolicy:
         if row is None:
             return None
         return FrecencyEntry(
-            self._uses[row],
-            self._halved[row],
+            ldexp(self._uses[row], -self._exponent),
+            self._halvings,
             self._clocks[row],
             self._stored_at[row],
             self._restored[row],
@@ -182,21 +192,20 @@ class FrecencyPolicy:
         """``keys`` entered the cache; a ghost gets its uses back."""
         seen, ghosts, heap, fresh = self._seen, self._ghosts, self._heap, self._fresh
         uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
-        halved, stored_at = self._halved, self._stored_at
-        clock, order, halvings = self.clock, self._order, self._halvings
+        stored_at, scale = self._stored_at, self._scale
+        clock, order = self.clock, self._order
+        at_clock = scale * clock  # a new key's scaled score
         for key in reversed(keys):  # the tail first: it goes first among equals
             row = seen.get(key)
             order += 1
             if row is None:
-                item = (clock, order, key)
-                seen[key] = self._new(clock, order, item, halvings)
+                item = (at_clock, order, key)
+                seen[key] = self._new(clock, order, item)
                 fresh.append(item)
                 continue
             if ghosts.pop(key, NO_KEY) is not NO_KEY and stored_at[row] >= 0:
                 self._restored[row] = True  # stored again: its next use was a miss
-            if halved[row] != halvings:
-                self._catch_up(row)
-            item = items[row] = (uses[row] + clocks[row], orders[row], key)
+            item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
             heappush(heap, item)
         self._order = order
         self.stored += len(keys)
@@ -214,16 +223,15 @@ class FrecencyPolicy:
             row = seen.get(key)
             order = self._order = self._order + 1
             clock = self.clock
+            scale = self._scale  # (a tuning may halve: read it for each key)
             if row is None:
-                item = (clock, order, key)
-                seen[key] = self._new(clock, order, item, self._halvings)
+                item = (scale * clock, order, key)
+                seen[key] = self._new(clock, order, item)
                 self._fresh.append(item)
             else:
                 if ghosts.pop(key, NO_KEY) is not NO_KEY and self._stored_at[row] >= 0:
                     self._restored[row] = True  # stored again: its next use was a miss
-                if self._halved[row] != self._halvings:
-                    self._catch_up(row)
-                item = items[row] = (uses[row] + clocks[row], orders[row], key)
+                item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
                 heappush(self._heap, item)
             self.stored += 1
             self.clock = clock + 1 / self.tau
@@ -234,14 +242,12 @@ class FrecencyPolicy:
         """``keys`` were used, head first: each counts one use. vLLM before 0.32 calls
         this for a request's keys at every store, so it is kept lean: it feeds neither
         the reuse distances nor the comparison with LRU. Unknown keys are ignored."""
-        clock, order, halvings = self.clock, self._order, self._halvings
-        uses, clocks, orders, halved = self._uses, self._clocks, self._orders, self._halved
+        clock, order, scale = self.clock, self._order, self._scale
+        uses, clocks, orders = self._uses, self._clocks, self._orders
         for row in map(self._seen.get, reversed(keys)):
             if row is not None:
-                if halved[row] != halvings:
-                    self._catch_up(row)
                 order += 1
-                uses[row] += 1
+                uses[row] += scale
                 clocks[row] = clock
                 orders[row] = order
         self._order = order
@@ -252,15 +258,13 @@ class FrecencyPolicy:
         it hit where LRU would have. Unknown keys are ignored."""
         distances = self._distances
         clock, now, capacity, order = self.clock, self.stored, self.capacity, self._order
-        halvings = self._halvings
-        uses, clocks, orders, halved = self._uses, self._clocks, self._orders, self._halved
+        scale = self._scale
+        uses, clocks, orders = self._uses, self._clocks, self._orders
         stored_at, restored = self._stored_at, self._restored
         reuses = lead = 0  # lead: reuses that hit, less those LRU would have hit
         for row in map(self._seen.get, reversed(keys)):
             if row is None:
                 continue
-            if halved[row] != halvings:
-                self._catch_up(row)
             last = stored_at[row]
             if last >= 0:  # used before: a reuse
                 distance = now - last
@@ -269,7 +273,7 @@ class FrecencyPolicy:
                 lead += (not restored[row]) - (distance <= capacity)
                 restored[row] = False
             order += 1
-            uses[row] += 1
+            uses[row] += scale
             clocks[row] = clock
             stored_at[row] = now
             orders[row] = order
@@ -306,7 +310,7 @@ class FrecencyPolicy:
             return []
         heap, fresh, seen = self._heap, self._fresh, self._seen
         uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
-        parked = self._parked
+        parked, scale = self._parked, self._scale
         if parked and (generation is None or generation != self._parked_gen):
             for item in parked:  # some may be evictable now: queue them again
                 heappush(heap, item)
@@ -322,8 +326,9 @@ class FrecencyPolicy:
             row = seen.get(key)
             if row is None or items[row] is not item:
                 continue  # the key left the cache
-            if orders[row] != item[1]:  # used since it was queued: queue it anew
-                item = items[row] = (uses[row] + clocks[row], orders[row], key)
+            if orders[row] != item[1] or item[0] != uses[row] + scale * clocks[row]:
+                # Used, or halvings, since it was queued: queue it anew.
+                item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
                 heappush(heap, item)
             elif key in protected:
                 refused.append(item)
@@ -371,49 +376,52 @@ class FrecencyPolicy:
         self._distances = [count // 2 for count in distances]
 
     def _halve_uses(self) -> None:
-        """Halve every key's uses and queue the cached keys anew with their scores. The
-        cached keys are those with a queued item that is still theirs (in the heap, the
-        FIFO or parked); a ghost's uses are halved when it is next used or stored
-        (:meth:`_catch_up`)."""
+        """Halve every key's uses: from now on a use counts twice as much as any before
+        (see the class), which changes no queued item. Every ``RESCALE_HALVINGS``
+        halvings, :meth:`_rescale`."""
         self._halvings += 1
-        halvings, seen = self._halvings, self._seen
+        self._exponent += 1
+        if self._exponent >= self.RESCALE_HALVINGS:
+            self._rescale()
+        else:
+            self._scale = ldexp(1.0, self._exponent)
+
+    def _rescale(self) -> None:
+        """Scale every entry's uses back by ``2 ** exponent`` (exact, as a power of two
+        is) and queue the cached keys anew with their scores: the exponent starts from
+        0 again. The cached keys are those with a queued item that is still theirs (in
+        the heap, the FIFO or parked)."""
+        exponent, seen = self._exponent, self._seen
         uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
-        halved = self._halved
+        for row in seen.values():
+            uses[row] = ldexp(uses[row], -exponent)
+        self._exponent, self._scale = 0, 1.0
         heap: list[tuple[float, int, Key]] = []
         for queue in (self._heap, self._fresh, self._parked):
             for item in queue:
-                row = seen.get(item[2])
-                if row is None or items[row] is not item:
+                cached = seen.get(item[2])
+                if cached is None or items[cached] is not item:
                     continue  # a key that left the cache, or an item queued again since
-                uses[row] = ldexp(uses[row], halved[row] - halvings)
-                halved[row] = halvings
-                items[row] = (uses[row] + clocks[row], orders[row], item[2])
-                heap.append(items[row])
+                items[cached] = (uses[cached] + clocks[cached], orders[cached], item[2])
+                heap.append(items[cached])
         heapify(heap)
         self._heap = heap
         self._fresh.clear()
         self._parked.clear()  # every cached key is queued anew above
 
-    def _catch_up(self, row: int) -> None:
-        """Apply to a ghost's uses the halvings it missed (halving by a power of two
-        is exact, as each halving is)."""
-        self._uses[row] = ldexp(self._uses[row], self._halved[row] - self._halvings)
-        self._halved[row] = self._halvings
-
     def score(self, key: Key) -> float:
         """``key``'s score now (cached keys and ghosts)."""
         row = self._seen[key]
-        if self._halved[row] != self._halvings:
-            self._catch_up(row)
-        return float(self._uses[row] + self._clocks[row])
+        return ldexp(self._uses[row] + self._scale * self._clocks[row], -self._exponent)
 
     def keys_in_eviction_order(self) -> list[Key]:
         """Cached keys, lowest score first, ties in the order of their last use."""
         uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
+        scale = self._scale
         return [
             key
             for _, _, key in sorted(
-                (uses[row] + clocks[row], orders[row], key)
+                (uses[row] + scale * clocks[row], orders[row], key)
                 for key, row in self._seen.items()
                 if items[row] is not _GHOST_ITEM
             )
