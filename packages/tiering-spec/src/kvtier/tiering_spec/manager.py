@@ -68,6 +68,48 @@ DRAIN_TIMEOUT_S = 30.0
 FRESH_STEPS = 32
 
 
+class DigestMemo:
+    """The tiers' name of each key in use (``key_digest``), computed once: a lookup, a
+    write-through, touches and the request's end all need it.
+
+    At most ``size`` names are kept, in two generations of up to ``size // 2``: when
+    the newer is full it becomes the older and a new one starts; a name found in the
+    older moves to the newer, and each name computed drops two of the older's, so it is
+    empty before the next turn. Nothing is dropped all at once: a dict of a million
+    names freed in one call held the scheduler's thread for about 35 ms."""
+
+    __slots__ = ("_half", "_new", "_old")
+
+    def __init__(self, size: int) -> None:
+        self._half = max(1, size // 2)
+        self._new: dict[bytes, bytes] = {}
+        self._old: dict[bytes, bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._new) + len(self._old)
+
+    def get(self, key: bytes) -> bytes:
+        """``key``'s digest."""
+        digest = self._new.get(key)
+        if digest is not None:
+            return digest
+        return self._miss(key)
+
+    def _miss(self, key: bytes) -> bytes:
+        new, old = self._new, self._old
+        digest = old.pop(key, None)
+        if digest is None:
+            digest = key_digest(key)
+            for _ in range(2 if len(old) > 1 else len(old)):
+                old.popitem()
+        if len(new) >= self._half:
+            old.clear()  # (empty by now: each name computed dropped two of it)
+            self._old, self._new = new, {}
+            new = self._new
+        new[key] = digest
+        return digest
+
+
 class Lookup(enum.Enum):
     MISS = 0
     HIT = 1
@@ -141,10 +183,7 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         self._stores = 0
         self._cut_logged = False  # the first store cut to the host tier's room was logged
         self.max_promoting = max(1, pool.num_blocks // 2)
-        # The tiers' name of each key in use, computed once (a lookup, a write-through,
-        # touches and the request's end all need it); forgotten all at once when full.
-        self._digests: dict[bytes, bytes] = {}
-        self._max_digests = max(1024, 2 * pool.num_blocks)
+        self._digests = DigestMemo(max(1024, 2 * pool.num_blocks))
         # Requests vLLM has not admitted yet, oldest first: their keys and the tiers each
         # may load from (TierPromotions).
         self._ahead = OrderedDict()
@@ -268,12 +307,7 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         return found, ready
 
     def _digest(self, key: bytes) -> bytes:
-        digest = self._digests.get(key)
-        if digest is None:
-            if len(self._digests) >= self._max_digests:
-                self._digests.clear()
-            digest = self._digests[key] = key_digest(key)
-        return digest
+        return self._digests.get(key)
 
     def load_source(self, key: bytes) -> str:
         """``"host"``, or the fs tier's name when the key was promoted from it."""
