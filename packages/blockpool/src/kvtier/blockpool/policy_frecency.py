@@ -53,23 +53,24 @@ class FrecencyPolicy:
     ``max(GHOST_KEYS, 4 * capacity)``, the first evicted forgotten first: a
     conversation that comes back after its blocks were evicted is known again.
 
-    A halving costs the same at any size: nothing is halved. Each use adds ``2 ** e``
-    to a key's scaled uses, ``e`` being the halvings so far, and keys are ordered by
-    the scaled score, ``scaled uses + 2 ** e * clock``, which is the score times ``2 **
-    e``: the same order, and, scaling by a power of two being exact, the same
-    floating-point comparisons. A halving raises ``e``, so a use counts twice as much
-    as every earlier one, which is what halving the earlier ones does. Scaled scores
-    only grow, halvings included; after ``RESCALE_HALVINGS`` halvings every entry is
-    scaled back at once and ``e`` starts from 0 again (the only pass over all keys,
-    once in that many halvings, each after ``capacity`` stored blocks at least).
+    A halving writes no key's uses: each use adds ``2 ** e`` to a key's scaled uses,
+    ``e`` being the halvings so far, and keys are ordered by the scaled score, ``scaled
+    uses + 2 ** e * clock``, which is the score times ``2 ** e``: the same order and,
+    scaling by a power of two being exact, the same floating-point comparisons. A
+    halving raises ``e``, so a use counts twice as much as every earlier one, which is
+    what halving the earlier ones does; ghosts need nothing, and no use checks for
+    halvings it missed. The cached keys are queued anew with their scaled scores in
+    one pass (left to evictions, each stale key would be popped and pushed again, at
+    several times the cost). Every ``RESCALE_HALVINGS`` halvings every entry's scaled
+    uses are scaled back and ``e`` starts from 0 again.
 
     A use writes its key's entry and nothing else: each cached key is queued once, with
-    the scaled score it had when queued (a lower bound, as scaled scores only grow).
-    Eviction takes the lowest; a key whose scaled score grew since it was queued (used,
-    or halvings since) is queued again with its score, any other goes. A key never seen
-    before enters at the clock with no uses, so such keys arrive in score order: they
-    wait in a FIFO (an append, not a heap push), and eviction takes the lower of its
-    head and the heap's.
+    the scaled score it had when queued (a lower bound, as scores only grow between
+    halvings). Eviction takes the lowest; a key whose scaled score grew since it was
+    queued is queued again with its score, any other goes. A key never seen before
+    enters at the clock with no uses, so such keys arrive in score order: they wait in a
+    FIFO (an append, not a heap push), and eviction takes the lower of its head and the
+    heap's.
 
     Each key's entry is a row of seven lists (a row number per key, rows of forgotten
     keys used again), not an object: the garbage collector tracks no object per key,
@@ -326,8 +327,7 @@ class FrecencyPolicy:
             row = seen.get(key)
             if row is None or items[row] is not item:
                 continue  # the key left the cache
-            if orders[row] != item[1] or item[0] != uses[row] + scale * clocks[row]:
-                # Used, or halvings, since it was queued: queue it anew.
+            if orders[row] != item[1]:  # used since it was queued: queue it anew
                 item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
                 heappush(heap, item)
             elif key in protected:
@@ -377,33 +377,34 @@ class FrecencyPolicy:
 
     def _halve_uses(self) -> None:
         """Halve every key's uses: from now on a use counts twice as much as any before
-        (see the class), which changes no queued item. Every ``RESCALE_HALVINGS``
-        halvings, :meth:`_rescale`."""
+        (see the class). Every ``RESCALE_HALVINGS`` halvings, the entries are scaled
+        back (:meth:`_requeue`)."""
         self._halvings += 1
         self._exponent += 1
         if self._exponent >= self.RESCALE_HALVINGS:
-            self._rescale()
-        else:
-            self._scale = ldexp(1.0, self._exponent)
+            exponent, uses = self._exponent, self._uses
+            for row in self._seen.values():
+                uses[row] = ldexp(uses[row], -exponent)
+            self._exponent = 0
+        self._scale = ldexp(1.0, self._exponent)
+        self._requeue()
 
-    def _rescale(self) -> None:
-        """Scale every entry's uses back by ``2 ** exponent`` (exact, as a power of two
-        is) and queue the cached keys anew with their scores: the exponent starts from
-        0 again. The cached keys are those with a queued item that is still theirs (in
-        the heap, the FIFO or parked)."""
-        exponent, seen = self._exponent, self._seen
+    def _requeue(self) -> None:
+        """Queue every cached key anew with its scaled score, in one heap: after a
+        halving each queued score is stale, and re-queueing them one by one as
+        evictions pop them costs several times this pass. The cached keys are those
+        with a queued item that is still theirs (in the heap, the FIFO or parked)."""
+        seen, scale = self._seen, self._scale
         uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
-        for row in seen.values():
-            uses[row] = ldexp(uses[row], -exponent)
-        self._exponent, self._scale = 0, 1.0
         heap: list[tuple[float, int, Key]] = []
+        append = heap.append
         for queue in (self._heap, self._fresh, self._parked):
             for item in queue:
-                cached = seen.get(item[2])
-                if cached is None or items[cached] is not item:
-                    continue  # a key that left the cache, or an item queued again since
-                items[cached] = (uses[cached] + clocks[cached], orders[cached], item[2])
-                heap.append(items[cached])
+                key = item[2]
+                row = seen.get(key)
+                if row is not None and items[row] is item:
+                    item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
+                    append(item)
         heapify(heap)
         self._heap = heap
         self._fresh.clear()
