@@ -9,6 +9,8 @@ O(1). Freed blocks merge with their neighbours at once, so fragmentation heals.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterable
 
 
@@ -48,15 +50,37 @@ class RunAllocator:
         """Take ``n`` free blocks, as few runs as possible, each run's ids ascending.
 
         Blocks are cut from the end of a run, so the run keeps its start (and
-        usually its bucket): three dict updates in the common case.
+        usually its bucket): three dict updates in the common case. Where no run holds
+        what is still wanted, the longest goes whole, the first in its bucket's order
+        among equals; the longest bucket's runs are ranked once for that (as many as
+        may be taken), not searched once per run taken: ``r`` runs out of ``R``
+        scattered ones cost ``R log r``, not ``r * R``.
         """
         if n > self.num_free:
             raise ValueError(f"asked for {n} blocks, {self.num_free} free")
         self.num_free -= n
         by_start, by_end = self._by_start, self._by_end
         out: list[int] = []
+        ranked: list[int] = []  # the longest bucket's runs, longest first
+        taken = 0  # of ranked
         while n > 0:
-            start = self._find(n)
+            start = self._fit(n)
+            if start is None:  # no run holds n: take the longest whole
+                if taken == len(ranked):
+                    b = self._mask.bit_length() - 1
+                    bucket = self._buckets[b]
+                    # Its runs hold 2 ** b blocks at least: this many may be taken.
+                    most = min(len(bucket), -(-n >> b))
+                    # Among equals, the bucket's order (stable, as max() picks), and in
+                    # bucket 0 every run is one block long.
+                    ranked = (
+                        list(itertools.islice(bucket, most))
+                        if b == 0
+                        else heapq.nlargest(most, bucket, key=lambda s: by_start[s] - s)
+                    )
+                    taken = 0
+                start = ranked[taken]
+                taken += 1
             end = by_start[start]
             length = end - start
             if length <= n:
@@ -81,8 +105,8 @@ class RunAllocator:
             break
         return out
 
-    def _find(self, n: int) -> int:
-        """Start of a run of >= n blocks if one exists, else of the longest run."""
+    def _fit(self, n: int) -> int | None:
+        """Start of a run of >= n blocks, or None if there is none."""
         k = n.bit_length() - 1
         # Bucket k holds lengths [2^k, 2^(k+1)); it fits n for sure only if n == 2^k.
         first = k if n == 1 << k else k + 1
@@ -94,8 +118,7 @@ class RunAllocator:
             for start in self._buckets[k]:
                 if self._by_start[start] - start >= n:
                     return start
-        b = self._mask.bit_length() - 1  # longest bucket: split across runs
-        return max(self._buckets[b], key=lambda s: self._by_start[s] - s)
+        return None
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Return blocks; neighbouring free runs merge."""
