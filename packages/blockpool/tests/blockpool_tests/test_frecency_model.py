@@ -151,6 +151,7 @@ class OftenRescaled(SmallFrecency):
 
 class FrecencyAgainstModel(RuleBasedStateMachine):
     policy_type: type[FrecencyPolicy] = SmallFrecency
+    park = False  # evict with park=True, unparking the keys no longer refused
 
     @initialize(capacity=st.integers(1, 8))
     def setup(self, capacity: int) -> None:
@@ -184,6 +185,8 @@ class FrecencyAgainstModel(RuleBasedStateMachine):
 
     @rule(keys=st.sets(KEY, max_size=4))
     def pin(self, keys: set[int]) -> None:
+        if self.park:
+            self.policy.unpark(sorted(self.refused - keys))
         self.refused = keys
 
     @rule(n=st.integers(0, 6))
@@ -193,7 +196,7 @@ class FrecencyAgainstModel(RuleBasedStateMachine):
         def ok(key: Hashable) -> bool:
             return key not in refused
 
-        assert self.policy.evict(n, ok) == self.model.evict(n, ok)
+        assert self.policy.evict(n, ok, park=self.park) == self.model.evict(n, ok)
 
     @invariant()
     def same_state(self) -> None:
@@ -223,5 +226,18 @@ def test_frecency_policy_scaled_back_often_matches_model() -> None:
     and after a rescale, and keys queued on either side of one."""
     run_state_machine_as_test(
         OftenRescaledAgainstModel,
+        settings=settings(max_examples=200, stateful_step_count=60, deadline=None),
+    )
+
+
+class ParkingAgainstModel(FrecencyAgainstModel):
+    park = True
+
+
+def test_frecency_policy_parking_the_refused_matches_model() -> None:
+    """The same, evictions parking the keys they find unevictable until they are
+    unparked: the same victims as going over them each time."""
+    run_state_machine_as_test(
+        ParkingAgainstModel,
         settings=settings(max_examples=200, stateful_step_count=60, deadline=None),
     )

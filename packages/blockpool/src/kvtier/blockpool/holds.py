@@ -69,11 +69,12 @@ class PoolHolds:
     ``_hold_counts`` (the kind's total).
     """
 
-    # The pool's key map (key -> block, ~block while storing), block states, and the
-    # count eviction watches for keys that became evictable.
+    # The pool's key map (key -> block, ~block while storing), block states, and its
+    # frecency policy's parked keys (unparked as their last pin ends).
     _keys: dict[Any, int]
     _state: bytearray
-    _released: int
+    _parked: dict[Any, Any]
+    _frecency: Any
 
     def _init_holds(self) -> None:
         self._pins: dict[Any, int] = {}
@@ -196,7 +197,8 @@ class PoolHolds:
             count = pins.get(keys[0], 0)
             if count == 1:
                 del pins[keys[0]]
-                self._released += 1  # unpinned: evictable again
+                if self._parked:  # unpinned: evictable again
+                    self._frecency.unpark(keys)
                 return
             if count > 1:
                 pins[keys[0]] = count - 1
@@ -207,7 +209,8 @@ class PoolHolds:
                 count = pins[key]
                 if count == 1:
                     del pins[key]
-                    self._released += 1  # unpinned: evictable again
+                    if self._parked:  # unpinned: evictable again
+                        self._frecency.unpark((key,))
                 else:
                     pins[key] = count - 1
                 done += 1

@@ -4,7 +4,7 @@ pool's default; the package README says why)."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from heapq import heapify, heappop, heappush
 from math import ldexp
 from typing import NamedTuple
@@ -92,8 +92,6 @@ class FrecencyPolicy:
         "_next_tune",
         "_order",
         "_orders",
-        "_parked",
-        "_parked_gen",
         "_restored",
         "_reuses",
         "_scale",
@@ -103,6 +101,7 @@ class FrecencyPolicy:
         "capacity",
         "clock",
         "max_ghosts",
+        "parked",
         "stored",
         "tau",
     )
@@ -139,10 +138,10 @@ class FrecencyPolicy:
         # Since the last tuning: reuses seen as requests finished, and how many more of
         # them hit than LRU would have hit.
         self._reuses = self._lead = 0
-        # Queued keys an eviction found unevictable (storing or pinned), kept out of the
-        # heap while the pool's generation says no key became evictable since.
-        self._parked: list[tuple[float, int, Key]] = []
-        self._parked_gen: int | None = None
+        # Queued keys an eviction with ``park`` found unevictable (storing or pinned),
+        # with their items: out of the heap until the caller unparks them. (The same
+        # dict for the policy's life: a pool checks it before calling unpark.)
+        self.parked: dict[Key, tuple[float, int, Key]] = {}
         self._halvings = 0  # halvings of the uses so far
         self._exponent = 0  # halvings since the entries were last scaled back
         self._scale = 1.0  # 2 ** exponent: what a use adds to the scaled uses
@@ -287,13 +286,26 @@ class FrecencyPolicy:
     def remove(self, key: Key) -> None:
         """``key`` left the cache other than by ``evict``; it leaves no ghost."""
         self._forget(key)
+        if self.parked:
+            self.parked.pop(key, None)
+
+    def unpark(self, keys: Iterable[Key]) -> None:
+        """``keys`` may be evictable now (stored, or their last pin ended): those an
+        eviction parked are queued again."""
+        parked = self.parked
+        if parked:
+            heap = self._heap
+            for key in keys:
+                item = parked.pop(key, None)
+                if item is not None:
+                    heappush(heap, item)
 
     def evict(
         self,
         n: int,
         evictable: Callable[[Key], bool],
         *,
-        generation: int | None = None,
+        park: bool = False,
         protected: Collection[Key] = (),
     ) -> list[Key] | None:
         """Take the ``n`` evictable keys of lowest score, none of ``protected``; they
@@ -302,22 +314,21 @@ class FrecencyPolicy:
         Returns them lowest first, or ``None`` (changing nothing but the heap's
         queued scores) when fewer than ``n`` keys are evictable.
 
-        With ``generation`` (a count the caller raises whenever a key may have become
-        evictable), keys found unevictable are parked out of the heap until the count
-        changes, so a run of evictions while many keys are storing or pinned does not
-        go over them each time. The keys chosen are the same either way.
+        With ``park``, keys found unevictable are parked out of the heap until the
+        caller names them to :meth:`unpark`, which it must do for every key that may
+        have become evictable: evictions while many keys are storing or pinned (a slow
+        tier's writes pin up to three quarters of a pool) do not go over them each
+        time. The keys chosen are the same either way.
         """
         if n <= 0:
             return []
         heap, fresh, seen = self._heap, self._fresh, self._seen
         uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
-        parked, scale = self._parked, self._scale
-        if parked and (generation is None or generation != self._parked_gen):
-            for item in parked:  # some may be evictable now: queue them again
+        parked, scale = self.parked, self._scale
+        if parked and not park:  # a caller that does not unpark: queue them again
+            for item in parked.values():
                 heappush(heap, item)
             parked.clear()
-        self._parked_gen = generation
-        park = parked.append if generation is not None else None
         victims: list[int] = []  # their rows
         refused: list[tuple[float, int, Key]] = []
         while len(victims) < n and (heap or fresh):
@@ -334,8 +345,8 @@ class FrecencyPolicy:
                 refused.append(item)
             elif evictable(key):
                 victims.append(row)
-            elif park is not None:
-                park(item)
+            elif park:
+                parked[key] = item
             else:
                 refused.append(item)
         for item in refused:
@@ -398,7 +409,7 @@ class FrecencyPolicy:
         uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
         heap: list[tuple[float, int, Key]] = []
         append = heap.append
-        for queue in (self._heap, self._fresh, self._parked):
+        for queue in (self._heap, self._fresh, self.parked.values()):
             for item in queue:
                 key = item[2]
                 row = seen.get(key)
@@ -408,7 +419,7 @@ class FrecencyPolicy:
         heapify(heap)
         self._heap = heap
         self._fresh.clear()
-        self._parked.clear()  # every cached key is queued anew above
+        self.parked.clear()  # every cached key is queued anew above
 
     def score(self, key: Key) -> float:
         """``key``'s score now (cached keys and ghosts)."""

@@ -85,10 +85,11 @@ class HostBlockPool(PoolHolds):
             else make_policy(eviction_policy, self.num_blocks, cache_policy_module_path)
         )
         self._alloc = RunAllocator(self.num_blocks)
-        # Frecency parks the keys an eviction finds storing or pinned until this count
-        # (raised whenever a key may have become evictable) changes.
+        # Frecency parks the keys an eviction finds storing or pinned; they are unparked
+        # as their store completes or their last pin ends (its parked dict, or an empty
+        # one that stays so: checked before any call).
         self._frecency = self.policy if type(self.policy) is FrecencyPolicy else None
-        self._released = 0
+        self._parked: dict[Any, Any] = {} if self._frecency is None else self._frecency.parked
         # key -> block for cached keys, ~block (< 0) for keys being stored: one map, so
         # finishing a store rewrites a value instead of moving a key between maps.
         self._keys: dict[Any, int] = {}
@@ -190,9 +191,7 @@ class HostBlockPool(PoolHolds):
         if self.num_evictable - spared < n:
             return None
         if self._frecency is not None:
-            victims = self._frecency.evict(
-                n, self._is_evictable, generation=self._released, protected=protected
-            )
+            victims = self._frecency.evict(n, self._is_evictable, park=True, protected=protected)
         elif protected:
 
             def evictable(key: Hashable) -> bool:
@@ -232,7 +231,8 @@ class HostBlockPool(PoolHolds):
                     stored.append(key)
             self._num_storing -= len(stored)
             if stored:
-                self._released += 1  # readable now: evictable unless pinned
+                if self._parked:  # readable now: evictable unless pinned
+                    self._frecency.unpark(stored)
                 self.key_changes += 1
             if stored and self._events_on:
                 self._events.append(CacheEvent("stored", tuple(stored)))
