@@ -14,6 +14,7 @@ import pytest
 
 from kvtier.tiering_spec.tiers.fs import format as fs_format
 from kvtier.tiering_spec.tiers.fs import io as fs_io
+from kvtier.tiering_spec.tiers.fs import scan as fs_scan
 from kvtier.tiering_spec.tiers.fs import tier as fs_tier
 from kvtier.tiering_spec.tiers.fs.format import key_digest
 
@@ -101,6 +102,27 @@ def test_a_large_start_up_scan_is_indexed_a_slice_per_poll(
     assert read(again, keys[0], 7).ok
     third = make_tier(region, take_scan=False)
     assert third.wait_scan(30) and third.stats.files_indexed_at_start == 5, "all at once"
+
+
+def test_the_start_up_scan_orders_its_entries_oldest_first_a_slice_at_a_time(
+    make_tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scan sorts its entries by age in slices merged in order (a sort of every
+    file at once held the interpreter's lock, and the scheduler's thread, 1.4 s for a
+    million files): the same order as one sort."""
+    region = Region(8)
+    first = make_tier(region)
+    keys = [b"aged-%d" % i for i in range(7)]
+    ages = [5, 1, 6, 0, 3, 2, 4]  # written in one order, aged in another
+    for i, key in enumerate(keys):
+        write(first, region, key, i, i + 1)
+        os.utime(first.paths(key_digest(key))[0], (1000 + ages[i], 1000 + ages[i]))
+    first.shutdown()
+    monkeypatch.setattr(fs_scan, "SORT_SLICE", 2)
+    again = make_tier(region, take_scan=False)
+    assert again.scan_done.wait(30)
+    report = again._disk.scan()
+    assert report.entries == [key_digest(k) for _, k in sorted(zip(ages, keys))]
 
 
 def test_another_fingerprint_does_not_see_the_files(make_tier) -> None:

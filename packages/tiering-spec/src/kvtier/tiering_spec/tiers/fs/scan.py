@@ -3,6 +3,7 @@ earlier runs left (and its clean-up), and the look for files other engines write
 
 from __future__ import annotations
 
+import heapq
 import os
 import stat
 import threading
@@ -15,6 +16,9 @@ from kvtier.tiering_spec.tiers.fs.dirs import DIR_FLAGS, TierDirs
 
 # Temporary files older than this are a crashed write's: removed at start-up.
 STALE_TMP_S = 3600.0
+SORT_SLICE = 8192
+"""Entries sorted in one call at most: a sort holds the interpreter's lock throughout,
+and the scheduler's thread waits for it (1.4 s for a million entries at once)."""
 # Fingerprint directories (other models or layouts) untouched this long are removed.
 STALE_FINGERPRINT_AGE_S = 7 * 86400.0
 
@@ -245,13 +249,25 @@ class FsScanner:
                             except OSError:
                                 pass
             per_rank.append(found)
-        common = set(per_rank[0])
-        for found in per_rank[1:]:
-            common &= set(found)
-        report.entries = sorted(common, key=per_rank[0].__getitem__)
+        # Python loops, not one C call over all files each, so the scheduler's thread
+        # gets the interpreter's lock between them.
+        others = per_rank[1:]
+        common = [d for d in per_rank[0] if all(d in found for found in others)]
+        mtime = per_rank[0].__getitem__
+        report.entries = list(
+            heapq.merge(
+                *(
+                    sorted(common[i : i + SORT_SLICE], key=mtime)
+                    for i in range(0, len(common), SORT_SLICE)
+                ),
+                key=mtime,
+            )
+        )
+        if others:  # (rank 0's files of entries every rank has)
+            by_shard = [{d for d in ds if all(d in f for f in others)} for ds in by_shard]
         with self._lock:
             for shard, digests in enumerate(by_shard):
-                self._seen[shard] |= digests & common
+                self._seen[shard] |= digests
         report.removed_fingerprints = self._remove_old_fingerprints(now)
         return report
 
