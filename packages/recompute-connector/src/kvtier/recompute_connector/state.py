@@ -381,7 +381,7 @@ class RecomputeOffloadScheduler:
             if written:
                 # Requests sharing these blocks: restorable now, or recomputed.
                 for other in list(self.preempted.values()):
-                    if any(e.failed for e in other.shared) and other.phase == Phase.STORING:
+                    if other.phase == Phase.STORING and any(e.failed for e in other.shared):
                         self._fallback(
                             other.req_id,
                             Fallback.STORE_FAILED,
