@@ -866,6 +866,13 @@ def bench_blockpool(session: nox.Session) -> None:
     _bench(session, ["kvtier-blockpool"], "kvtier.blockpool.bench", "bench-blockpool")
 
 
+@nox.session(name="bench-stalls")
+def bench_stalls(session: nox.Session) -> None:
+    """The pool's longest single calls where one could go over the whole cache, beside
+    vLLM's CPUOffloadingManager."""
+    _bench(session, ["kvtier-blockpool"], "kvtier.blockpool.bench_stalls", "bench-stalls")
+
+
 @nox.session(name="bench-tiering")
 def bench_tiering(session: nox.Session) -> None:
     """kvtier's fs tier against plain O_DIRECT and vLLM's fs tier; the prefix workload;
