@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -210,34 +211,27 @@ class FrecencyAgainstModel(RuleBasedStateMachine):
         }
 
 
-def test_frecency_policy_matches_model() -> None:
-    run_state_machine_as_test(
-        FrecencyAgainstModel,
-        settings=settings(max_examples=200, stateful_step_count=60, deadline=None),
-    )
-
-
 class OftenRescaledAgainstModel(FrecencyAgainstModel):
+    """Scaled uses scaled back every second halving: halvings before and after a
+    rescale, and keys queued on either side of one."""
+
     policy_type = OftenRescaled
 
 
-def test_frecency_policy_scaled_back_often_matches_model() -> None:
-    """The same, with the scaled uses scaled back every second halving: halvings before
-    and after a rescale, and keys queued on either side of one."""
-    run_state_machine_as_test(
-        OftenRescaledAgainstModel,
-        settings=settings(max_examples=200, stateful_step_count=60, deadline=None),
-    )
-
-
 class ParkingAgainstModel(FrecencyAgainstModel):
+    """Evictions park the keys they find unevictable until they are unparked: the same
+    victims as going over them each time."""
+
     park = True
 
 
-def test_frecency_policy_parking_the_refused_matches_model() -> None:
-    """The same, evictions parking the keys they find unevictable until they are
-    unparked: the same victims as going over them each time."""
+@pytest.mark.parametrize(
+    "machine",
+    [FrecencyAgainstModel, OftenRescaledAgainstModel, ParkingAgainstModel],
+    ids=["plain", "scaled-back-often", "parking"],
+)
+def test_frecency_policy_matches_model(machine: type[FrecencyAgainstModel]) -> None:
     run_state_machine_as_test(
-        ParkingAgainstModel,
+        machine,
         settings=settings(max_examples=200, stateful_step_count=60, deadline=None),
     )

@@ -66,8 +66,8 @@ class FrecencyPolicy:
 
     A use writes its key's entry and nothing else: each cached key is queued once, with
     the scaled score it had when queued (a lower bound, as scores only grow between
-    halvings). Eviction takes the lowest; a key whose scaled score grew since it was
-    queued is queued again with its score, any other goes. A key never seen before
+    halvings). Eviction takes the lowest; a key used since it was queued is queued
+    again with its score, any other goes. A key never seen before
     enters at the clock with no uses, so such keys arrive in score order: they wait in a
     FIFO (an append, not a heap push), and eviction takes the lower of its head and the
     heap's.

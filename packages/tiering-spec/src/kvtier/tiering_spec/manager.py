@@ -100,7 +100,7 @@ class DigestMemo:
         digest = old.pop(key, None)
         if digest is None:
             digest = key_digest(key)
-            for _ in range(2 if len(old) > 1 else len(old)):
+            for _ in range(min(2, len(old))):
                 old.popitem()
         if len(new) >= self._half:
             old.clear()  # (empty by now: each name computed dropped two of it)

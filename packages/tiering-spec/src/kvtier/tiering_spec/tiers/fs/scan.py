@@ -252,7 +252,14 @@ class FsScanner:
         # Python loops, not one C call over all files each, so the scheduler's thread
         # gets the interpreter's lock between them.
         others = per_rank[1:]
-        common = [d for d in per_rank[0] if all(d in found for found in others)]
+        if others:  # rank 0's files of entries every rank has, asked once a file
+            by_shard = [{d for d in ds if all(d in f for f in others)} for ds in by_shard]
+            held: set[bytes] = set()
+            for digests in by_shard:  # (a shard's worth of C work at a time)
+                held |= digests
+            common = [d for d in per_rank[0] if d in held]
+        else:
+            common = list(per_rank[0])
         mtime = per_rank[0].__getitem__
         report.entries = list(
             heapq.merge(
@@ -263,8 +270,6 @@ class FsScanner:
                 key=mtime,
             )
         )
-        if others:  # (rank 0's files of entries every rank has)
-            by_shard = [{d for d in ds if all(d in f for f in others)} for ds in by_shard]
         with self._lock:
             for shard, digests in enumerate(by_shard):
                 self._seen[shard] |= digests
