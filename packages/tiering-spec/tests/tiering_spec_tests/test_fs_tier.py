@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvtier.tiering_spec.tiers.fs import capacity as fs_capacity
 from kvtier.tiering_spec.tiers.fs import format as fs_format
 from kvtier.tiering_spec.tiers.fs import io as fs_io
 from kvtier.tiering_spec.tiers.fs import scan as fs_scan
@@ -102,6 +103,94 @@ def test_a_large_start_up_scan_is_indexed_a_slice_per_poll(
     assert read(again, keys[0], 7).ok
     third = make_tier(region, take_scan=False)
     assert third.wait_scan(30) and third.stats.files_indexed_at_start == 5, "all at once"
+
+
+def test_files_another_engine_wrote_are_indexed_a_slice_per_poll(
+    make_tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What discovery finds on disk (everything, where the start-up scan failed) is
+    indexed as the scan's findings: SCAN_TAKE_SECONDS a poll, at least a slice."""
+    region = Region(8)
+    mine = make_tier(region)
+    other = make_tier(region)
+    keys = [b"theirs-%d" % i for i in range(5)]
+    for i, key in enumerate(keys):
+        write(other, region, key, i, i + 1)
+    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SECONDS", 0.0)
+    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SLICE", 2)
+    deadline = time.monotonic() + 30
+    while mine._disk.waiting < len(keys) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mine._disk.waiting == len(keys)
+    indexed = []
+    for _ in range(3):
+        assert mine.has_news
+        mine.poll()
+        indexed.append(sum(key_digest(k) in mine._index for k in keys))
+    assert indexed == [2, 4, 5], "a slice of two entries a poll"
+    assert not mine._discovered[0]
+    assert read(mine, keys[3], 7).ok
+
+
+def test_a_capacity_gone_far_below_the_files_is_trimmed_a_slice_per_poll(
+    make_tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files beyond a capacity (lowered for a full disk, recomputed after the scan) are
+    evicted TRIM_ENTRIES a poll, never in one call; writes wait until the excess is
+    within that much."""
+    monkeypatch.setattr(fs_capacity, "TRIM_ENTRIES", 3)
+    region = Region(12)
+    tier = make_tier(region)
+    for i in range(10):
+        write(tier, region, b"k%d" % i, i, i)
+    entry = tier.entry_bytes
+    tier._capacity.reset(2 * entry)  # (as a recomputed capacity would)
+    assert tier.has_news
+    assert not tier.submit_write(b"new", key_digest(b"new"), 11), "8 over: the write waits"
+    held = []
+    while tier.used_bytes > 2 * entry:
+        tier.poll()
+        held.append(tier.used_bytes // entry)
+    assert held == [7, 4, 2]
+    assert not tier.has_news
+    assert tier.stats.evictions == 8
+    assert [i for i in range(10) if tier.has(key_digest(b"k%d" % i))] == [8, 9]
+    write(tier, region, b"new", 11, 5)
+    assert tier.has(key_digest(b"new")) and tier.used_bytes == 2 * entry
+
+
+def test_a_default_capacity_counts_the_earlier_files_as_they_are_indexed(
+    make_tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without capacity_bytes the tier may hold half of the free space plus its files of
+    earlier runs. While the scan's findings are indexed a slice per poll, writes make
+    room against the files indexed so far: none of the earlier files is evicted that
+    the capacity computed from the whole scan keeps."""
+    region = Region(12)
+    first = make_tier(region)
+    old = [b"old-%d" % i for i in range(8)]
+    for i, key in enumerate(old):
+        write(first, region, key, i, i + 1)
+    first.shutdown()
+    entry = first.entry_bytes
+    # The disk shows 4 entries free: 2 before the scan, (4 + 8) / 2 = 6 after it.
+    monkeypatch.setattr(
+        fs_io, "_fstatvfs", lambda fd: SimpleNamespace(f_bavail=4 * entry // 4096, f_frsize=4096)
+    )
+    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SECONDS", 0.0)
+    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SLICE", 2)
+    tier = make_tier(region, take_scan=False)
+    assert tier.scan_done.wait(30)
+    assert tier.capacity_bytes == 2 * entry
+    written = 0
+    while tier._scan_result or tier._scan_taking is not None:
+        tier.poll()  # two more files of earlier runs indexed
+        if written < 2:  # (its polls index some more)
+            write(tier, region, b"new-%d" % written, 8 + written, written)
+            written += 1
+    assert tier.capacity_bytes == 6 * entry
+    assert tier.used_bytes == 6 * entry, "as many files as the capacity holds"
+    assert tier.stats.evictions == 8 + written - 6
 
 
 def test_the_start_up_scan_orders_its_entries_oldest_first_a_slice_at_a_time(

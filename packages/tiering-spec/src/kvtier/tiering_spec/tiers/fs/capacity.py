@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.tiering_spec.errors import ConfigError
 from kvtier.tiering_spec.tiers.base import JobBook, TierFault, TierJob, TierResult, TierStats
 from kvtier.tiering_spec.tiers.fs.format import HEADER_SIZE, key_digest
-from kvtier.tiering_spec.tiers.fs.index import FsCapacity, FsIndex
+from kvtier.tiering_spec.tiers.fs.index import FsCapacity, FsEntry, FsIndex
 from kvtier.tiering_spec.tiers.fs.pool import IoThreads
 
 if TYPE_CHECKING:
@@ -31,6 +31,11 @@ logger = logging.getLogger("kvtier.tiering_spec")
 
 # Without capacity_bytes the tier may fill this share of the free space it found.
 DEFAULT_FREE_FRACTION = 0.5
+# Entries one call evicts at most to bring the tier back within a capacity it went over
+# (files indexed from disk, a capacity lowered or recomputed); the rest go at the next
+# polls, and writes wait until the excess is within this (each entry costs a few µs of
+# the scheduler's thread: 100,000 at once were about 0.3 s).
+TRIM_ENTRIES = 256
 
 
 class TierCapacity:
@@ -103,6 +108,24 @@ class TierCapacity:
         least one entry."""
         return max(self.entry_bytes, int(DEFAULT_FREE_FRACTION * (self._free_at_start + held)))
 
+    def _over_capacity(self) -> int:
+        """Entries beyond the capacity, with the writes in flight (0 within it)."""
+        cap = self.capacity_bytes
+        if cap is None:
+            return 0
+        over = self._index.used + self._index.reserved - cap
+        return -(-over // self.entry_bytes) if over > 0 else 0
+
+    def _trim(self) -> None:
+        """Evict toward the capacity, ``TRIM_ENTRIES`` entries at most (never ones being
+        read; scheduler thread)."""
+        over = self._over_capacity()
+        if over:
+            reading = self._reading
+            evicted = self._index.evict(min(over, TRIM_ENTRIES), reading.__contains__)
+            if evicted:
+                self._forget_evicted(evicted, 0)
+
     def _make_room(
         self, nbytes: int, protect: bytes | None = None, *, reuse: int = 0
     ) -> tuple[bool, list[bytes]]:
@@ -110,13 +133,22 @@ class TierCapacity:
         more fit. Returns (whether they fit, evicting nothing more when they cannot; up
         to ``reuse`` evicted entries, the policy's first first, whose files the caller's
         writes take over instead of creating new ones). A reused digest stays in
-        ``_unlinking`` until the write that takes it over is polled."""
+        ``_unlinking`` until the write that takes it over is polled. While the tier is
+        over its capacity by more than ``TRIM_ENTRIES`` nothing fits: the excess is
+        trimmed at the polls (:meth:`_trim`), not by one write."""
+        if self._over_capacity() > TRIM_ENTRIES:
+            return False, []
         reading = self._reading
         evicted = self._index.make_room(
             nbytes, self.capacity_bytes, lambda digest: digest in reading or digest == protect
         )
         if evicted is None:
             return False, []
+        return True, self._forget_evicted(evicted, reuse)
+
+    def _forget_evicted(self, evicted: Sequence[tuple[bytes, FsEntry]], reuse: int) -> list[bytes]:
+        """Count and remove the files of ``evicted`` entries, but for the first ``reuse``
+        of them, which the caller's writes take over (returned)."""
         removed_keys: list[bytes] = []
         reused: list[bytes] = []
         for digest, entry in evicted:
@@ -130,7 +162,7 @@ class TierCapacity:
                 self._unlink(digest)
         if removed_keys and self.enable_events:
             self._events.append((True, removed_keys))
-        return True, reused
+        return reused
 
     def submit_write(self, key: bytes, digest: bytes, block_id: int) -> bool:
         """Write host block ``block_id`` (all ranks) as ``key``. False if not submitted:

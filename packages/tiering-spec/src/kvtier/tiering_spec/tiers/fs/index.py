@@ -106,12 +106,18 @@ class FsIndex:
         need = self.used + self.reserved + nbytes - capacity
         if need <= 0:
             return []
+        return self.evict(-(-need // self.entry_bytes), busy)
+
+    def evict(self, n: int, busy: Callable[[bytes], bool]) -> list[tuple[bytes, FsEntry]] | None:
+        """Evict the ``n`` entries the policy picks, never a ``busy`` one: the
+        ``(digest, entry)`` pairs, the policy's first first, or None, evicting nothing,
+        when fewer than ``n`` may go."""
+        if n <= 0:
+            return []
         # The policy was given digests only, so it hands back digests.
         chosen = cast(
             "list[bytes] | None",
-            self._policy.evict(
-                -(-need // self.entry_bytes), lambda key: not busy(cast(bytes, key))
-            ),
+            self._policy.evict(n, lambda key: not busy(cast(bytes, key))),
         )
         if chosen is None:
             return None

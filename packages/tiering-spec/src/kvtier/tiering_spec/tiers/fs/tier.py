@@ -187,6 +187,8 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         write; ``poll`` takes in what it found."""
         self._scan_result: list[Any] = []
         self._scan_taking: tuple[Any, int] | None = None  # (report, entries indexed)
+        # What discovery found, and how much of it is indexed.
+        self._discovered: tuple[list[bytes], int] = ([], 0)
         self.scan_done = threading.Event()
         self._stop = threading.Event()
         self._disk = FsScanner(self.fsdirs, self.world_size, self.file_bytes, self.fingerprints)
@@ -237,9 +239,35 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
                 continue
 
     def _take_discovered(self) -> None:
-        """Index what the background thread found on disk (scheduler thread)."""
-        self._index_found(self._disk.take_found())
-        self._make_room(0)
+        """Index what the background thread found on disk (scheduler thread), as the
+        scan's findings: ``SCAN_TAKE_SECONDS`` of it a call (everything on disk shows up
+        at once where the start-up scan failed)."""
+        found, done = self._discovered
+        if done >= len(found):
+            found, done = list(self._disk.take_found()), 0
+        done = self._take_slices(found, done)
+        self._discovered = (found, done) if done < len(found) else ([], 0)
+
+    def _take_slices(
+        self, entries: Sequence[bytes], done: int, *, whole: bool = False, scan: bool = False
+    ) -> int:
+        """Index ``entries[done:]`` in order, ``SCAN_TAKE_SLICE`` at a time, each slice
+        followed by a trim to the capacity, for ``SCAN_TAKE_SECONDS`` (``whole``: all);
+        returns how far it got. A default capacity counts the start-up ``scan``'s files
+        as they are indexed (the bound the whole scan gives, reached as it is taken), so
+        a write in between does not evict files of earlier runs against the capacity the
+        empty tier had."""
+        deadline, step = time.perf_counter() + SCAN_TAKE_SECONDS, SCAN_TAKE_SLICE
+        while done < len(entries):
+            end = min(len(entries), done + step)
+            if scan and self.capacity_is_default and not self._capacity.lowered:
+                self._capacity.reset(self._default_capacity(end * self.entry_bytes))
+            self._index_found(entries[done:end])
+            done = end
+            self._trim()
+            if not whole and time.perf_counter() >= deadline:
+                break
+        return done
 
     def _index_found(self, digests: Iterable[bytes]) -> None:
         """Index files found on disk, oldest first: the policy sees each stored on its
@@ -271,21 +299,16 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
             if report is None:
                 return
             taking = (report, 0)
-        (report, done), entries = taking, taking[0].entries
-        deadline, step = time.perf_counter() + SCAN_TAKE_SECONDS, SCAN_TAKE_SLICE
-        while done < len(entries):  # oldest first
-            self._index_found(entries[done : done + step])
-            done += step
-            if not whole and time.perf_counter() >= deadline:
-                break
-        if done < len(entries):
+        report, done = taking
+        done = self._take_slices(report.entries, done, whole=whole, scan=True)
+        if done < len(report.entries):
             self._scan_taking = (report, done)
             return
         self._scan_taking = None
         self.stats.files_indexed_at_start = len(report.entries)
         if self.capacity_is_default:
             self._capacity.reset(self._default_capacity(len(report.entries) * self.entry_bytes))
-        self._make_room(0)
+        self._trim()
         logger.info(
             "kvtier fs tier %r: start-up scan found %d files, indexed %d entries (%d bytes) "
             "of earlier runs, removed %d stale temporary and %d damaged files and %d unused "
@@ -381,6 +404,8 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
             or self._scan_result
             or self._scan_taking is not None
             or self._disk.waiting
+            or self._discovered[0]
+            or self._over_capacity()
             or (self._free_seen is not None and self._capacity.lowered)
         )
 
@@ -388,8 +413,10 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         """Finished jobs since the last call; updates the index and counters."""
         if self._scan_result or self._scan_taking is not None:
             self._take_scan()
-        if self._disk.waiting:
+        if self._disk.waiting or self._discovered[0]:
             self._take_discovered()
+        elif self._over_capacity():
+            self._trim()  # (a capacity lowered or recomputed: a slice a poll)
         if self._free_seen is not None and self._capacity.lowered:
             self._regrow()
         out: list[TierResult] = []
