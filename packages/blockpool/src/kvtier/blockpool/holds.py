@@ -70,11 +70,11 @@ class PoolHolds:
     """
 
     # The pool's key map (key -> block, ~block while storing), block states, and its
-    # frecency policy's parked keys (unparked as their last pin ends).
+    # policy's parked keys (unparked as their last pin ends).
     _keys: dict[Any, int]
     _state: bytearray
     _parked: dict[Any, Any]
-    _frecency: Any
+    _parking: Any
 
     def _init_holds(self) -> None:
         self._pins: dict[Any, int] = {}
@@ -198,7 +198,7 @@ class PoolHolds:
             if count == 1:
                 del pins[keys[0]]
                 if self._parked:  # unpinned: evictable again
-                    self._frecency.unpark(keys)
+                    self._parking.unpark(keys)
                 return
             if count > 1:
                 pins[keys[0]] = count - 1
@@ -210,7 +210,7 @@ class PoolHolds:
                 if count == 1:
                     del pins[key]
                     if self._parked:  # unpinned: evictable again
-                        self._frecency.unpark((key,))
+                        self._parking.unpark((key,))
                 else:
                     pins[key] = count - 1
                 done += 1

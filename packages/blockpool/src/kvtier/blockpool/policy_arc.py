@@ -4,9 +4,10 @@ adapted to keys the pool may not evict now."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvtier.blockpool.policy_base import NO_KEY, Key
+from kvtier.blockpool.policy_order import ParkingOrder
 
 
 class ARCPolicy:
@@ -14,8 +15,9 @@ class ARCPolicy:
 
     ``t1`` holds keys seen once since they entered the cache, ``t2`` keys seen at
     least twice; ``b1`` and ``b2`` remember keys recently evicted from ``t1`` and
-    ``t2`` (ghosts: keys only, no blocks). Each list is an ``OrderedDict``, oldest
-    first. ``p`` is the target size of ``t1`` in keys: a key inserted while a ghost in
+    ``t2`` (ghosts: keys only, no blocks). Each list is oldest first (``t1`` and ``t2``
+    are ``ParkingOrder`` objects, see ``policy_order``; the ghosts ordered dicts). ``p``
+    is the target size of ``t1`` in keys: a key inserted while a ghost in
     ``b1`` grows it, one in ``b2`` shrinks it, and both go straight to ``t2``.
 
     Eviction takes the oldest evictable key of ``t1`` while ``t1`` (less the keys
@@ -24,101 +26,131 @@ class ARCPolicy:
     so that ``|t1| + |b1| <= capacity`` and all four lists hold ``<= 2 * capacity``.
     """
 
-    __slots__ = ("b1", "b2", "capacity", "p", "t1", "t2")
+    __slots__ = ("b1", "b2", "capacity", "p", "parked", "t1", "t2")
     name = "arc"
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self.p = 0.0
-        self.t1: OrderedDict[Key, None] = OrderedDict()
-        self.t2: OrderedDict[Key, None] = OrderedDict()
+        # t1 and t2 park the keys an eviction with ``park`` passes over and finds
+        # unevictable, in one dict, until :meth:`unpark` (see ``policy_order``).
+        self.t1 = ParkingOrder()
+        self.t2 = ParkingOrder(shared=self.t1)
+        self.parked = self.t1.parked
         self.b1: OrderedDict[Key, None] = OrderedDict()
         self.b2: OrderedDict[Key, None] = OrderedDict()
 
     def insert(self, keys: Sequence[Key]) -> None:
         """``keys`` entered the cache: each once, none already in ``t1`` or ``t2`` (the
         pool makes sure); the last is the newest."""
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        o1, o2, b1, b2 = self.t1.order, self.t2.order, self.b1, self.b2
         for key in keys:
             if key in b1:
                 self.p = min(float(self.capacity), self.p + max(1.0, len(b2) / len(b1)))
                 del b1[key]
-                t2[key] = None
+                o2[key] = None
             elif key in b2:
                 self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
                 del b2[key]
-                t2[key] = None
+                o2[key] = None
             else:
-                t1[key] = None
+                o1[key] = None
         self._trim_ghosts()
 
     def touch(self, keys: Sequence[Key]) -> None:
         """``keys`` were used again: each moves to the new end of ``t2``, the *first*
         key last (it is the newest). Unknown keys are ignored."""
         t1, t2 = self.t1, self.t2
+        o1, o2 = t1.order, t2.order
+        aside = t1.aside() or t2.aside()
         for key in reversed(keys):
-            if key in t2:
-                t2.move_to_end(key)
-            elif key in t1:
-                del t1[key]
-                t2[key] = None
+            if key in o2:
+                o2.move_to_end(key)
+            elif key in o1:
+                del o1[key]
+                o2[key] = None
+            elif aside and (t2.take_aside(key) or t1.take_aside(key)):
+                o2[key] = None
 
     def touch_prefix(self, keys: Sequence[Key], reused: Collection[Key]) -> None:
         """A request finished with ``keys`` (head first): the keys in ``reused`` are
         touched; the others (stored by the request) move to the new end of the list
         they are in, as a store is not a second use. The head ends up the newest."""
         t1, t2 = self.t1, self.t2
+        o1, o2 = t1.order, t2.order
+        aside = t1.aside() or t2.aside()
         for key in reversed(keys):
-            if key in t2:
-                t2.move_to_end(key)
-            elif key in t1:
+            if key in o2:
+                o2.move_to_end(key)
+            elif key in o1:
                 if key in reused:
-                    del t1[key]
-                    t2[key] = None
+                    del o1[key]
+                    o2[key] = None
                 else:
-                    t1.move_to_end(key)
+                    o1.move_to_end(key)
+            elif aside:
+                if t2.take_aside(key):
+                    o2[key] = None
+                elif t1.take_aside(key):
+                    (o2 if key in reused else o1)[key] = None
 
     def remove(self, key: Key) -> None:
         """``key`` left the cache other than by ``evict``; it leaves no ghost."""
-        if self.t1.pop(key, NO_KEY) is NO_KEY:
-            del self.t2[key]
+        if not self.t1.pop(key) and not self.t2.pop(key):
+            raise KeyError(key)
 
-    def evict(self, n: int, evictable: Callable[[Key], bool]) -> list[Key] | None:
-        """Choose ``n`` evictable keys by the ARC rule and make them ghosts.
+    def unpark(self, keys: Iterable[Key]) -> None:
+        """``keys`` may be evictable now (stored, or their last pin ended): those an
+        eviction parked go back to their list, in their place."""
+        self.t1.unpark(keys)  # (routes each to its own list)
 
-        Returns them in the order chosen, or ``None`` (changing nothing) when fewer
+    def evict(
+        self,
+        n: int,
+        evictable: Callable[[Key], bool],
+        *,
+        park: bool = False,
+        protected: Collection[Key] = (),
+    ) -> list[Key] | None:
+        """Choose ``n`` evictable keys, none of ``protected``, by the ARC rule and make
+        them ghosts.
+
+        Returns them in the order chosen, or ``None`` (forgetting nothing) when fewer
         than ``n`` keys are evictable. Each list is walked once, from its oldest key,
-        and only as far as the victims taken from it.
-        """
+        and only as far as the victims taken from it. With ``park``, keys passed over
+        and found unevictable are parked until the caller unparks them."""
         if n <= 0:
             return []
         t1, t2 = self.t1, self.t2
-        # (Walked through items(), which a caller's ordered dict may count.)
-        candidates1 = (key for key, _ in t1.items() if evictable(key))
-        candidates2 = (key for key, _ in t2.items() if evictable(key))
+        walk1 = t1.walk(evictable, park=park, protected=protected)
+        walk2 = t2.walk(evictable, park=park, protected=protected)
         from1: list[Key] = []
         from2: list[Key] = []
         victims: list[Key] = []
+        size1 = len(t1)
         while len(victims) < n:
-            if len(t1) - len(from1) > self.p:
-                order = ((candidates1, from1), (candidates2, from2))
+            if size1 - len(from1) > self.p:
+                order = ((walk1, from1), (walk2, from2))
             else:
-                order = ((candidates2, from2), (candidates1, from1))
-            for candidates, taken in order:
-                key = next(candidates, NO_KEY)
+                order = ((walk2, from2), (walk1, from1))
+            for walk, taken in order:
+                key = next(walk, NO_KEY)
                 if key is not NO_KEY:
                     taken.append(key)
                     victims.append(key)
                     break
             else:
-                return None  # fewer than n evictable keys: nothing was changed
+                walk1.abort()
+                walk2.abort()
+                return None  # fewer than n evictable keys: nothing was evicted
         # The walks are over: the lists may change now.
+        walk1.commit()
+        walk2.commit()
+        b1, b2 = self.b1, self.b2
         for key in from1:
-            del t1[key]
-            self.b1[key] = None
+            b1[key] = None
         for key in from2:
-            del t2[key]
-            self.b2[key] = None
+            b2[key] = None
         self._trim_ghosts()
         return victims
 
@@ -132,4 +164,4 @@ class ARCPolicy:
 
     def keys_in_eviction_order(self) -> list[Key]:
         """``t1`` then ``t2``, each oldest first (the order while ``|t1| > p``)."""
-        return [*self.t1, *self.t2]
+        return [*self.t1.keys(), *self.t2.keys()]

@@ -31,8 +31,10 @@ from kvtier.blockpool.allocator import RunAllocator
 from kvtier.blockpool.budget import require_positive_int
 from kvtier.blockpool.holds import Hold, PoolHolds
 from kvtier.blockpool.policies import (
+    ARCPolicy,
     EvictionPolicy,
     FrecencyPolicy,
+    LRUPolicy,
     finish_request,
     make_policy,
 )
@@ -45,6 +47,11 @@ from kvtier.blockpool.records import (
     PoolStats,
     StorePlan,
 )
+
+# Policies whose evictions park the keys they find unevictable (``evict(park=True)``,
+# ``unpark``, ``parked``): exactly these classes, not subclasses, which may override
+# eviction without parking.
+PARKING_POLICIES = (FrecencyPolicy, LRUPolicy, ARCPolicy)
 
 __all__ = [
     "ALLOCATION_BUCKETS",
@@ -85,11 +92,11 @@ class HostBlockPool(PoolHolds):
             else make_policy(eviction_policy, self.num_blocks, cache_policy_module_path)
         )
         self._alloc = RunAllocator(self.num_blocks)
-        # Frecency parks the keys an eviction finds storing or pinned; they are unparked
-        # as their store completes or their last pin ends (its parked dict, or an empty
-        # one that stays so: checked before any call).
-        self._frecency = self.policy if type(self.policy) is FrecencyPolicy else None
-        self._parked: dict[Any, Any] = {} if self._frecency is None else self._frecency.parked
+        # Every policy of the package parks the keys an eviction finds storing or pinned; they are
+        # unparked as their store completes or their last pin ends (the policy's parked
+        # dict, or an empty one that stays so: checked before any call).
+        self._parking = self.policy if type(self.policy) in PARKING_POLICIES else None
+        self._parked: dict[Any, Any] = {} if self._parking is None else self._parking.parked
         # key -> block for cached keys, ~block (< 0) for keys being stored: one map, so
         # finishing a store rewrites a value instead of moving a key between maps.
         self._keys: dict[Any, int] = {}
@@ -190,8 +197,8 @@ class HostBlockPool(PoolHolds):
         spared = sum(1 for k in protected if k not in pins) if protected else 0
         if self.num_evictable - spared < n:
             return None
-        if self._frecency is not None:
-            victims = self._frecency.evict(n, self._is_evictable, park=True, protected=protected)
+        if self._parking is not None:
+            victims = self._parking.evict(n, self._is_evictable, park=True, protected=protected)
         elif protected:
 
             def evictable(key: Hashable) -> bool:
@@ -232,7 +239,7 @@ class HostBlockPool(PoolHolds):
             self._num_storing -= len(stored)
             if stored:
                 if self._parked:  # readable now: evictable unless pinned
-                    self._frecency.unpark(stored)
+                    self._parking.unpark(stored)
                 self.key_changes += 1
             if stored and self._events_on:
                 self._events.append(CacheEvent("stored", tuple(stored)))
