@@ -108,6 +108,7 @@ class RecomputeOffloadScheduler:
         # their host blocks stay reserved until the copy has ended on every rank).
         self._in_flight: dict[int, PreemptedRequestState] = {}
         self._plan = StepPlan()
+        self._steps = 0  # build_step_plan calls so far
         self.stats = SchedulerStats()
         self.share_prefix = share_prefix
         self.shared: dict[tuple[int, bytes], SharedBlock] = {}
@@ -179,7 +180,14 @@ class RecomputeOffloadScheduler:
         )
         n_new = sum(s.kind is SlotKind.NEW for row in planned for s in row)
         state = PreemptedRequestState(
-            req_id, Phase.STORING, run.kv_tokens, tuple(host_layout), 0, owner, shared=entries
+            req_id,
+            Phase.STORING,
+            run.kv_tokens,
+            tuple(host_layout),
+            0,
+            owner,
+            shared=entries,
+            planned_step=self._steps,
         )
         self.preempted[req_id] = state
         if not device:
@@ -237,7 +245,7 @@ class RecomputeOffloadScheduler:
         if state is None:
             return 0
         if state.phase == Phase.STORING:
-            if state.steps_waiting >= STORE_REPORT_TIMEOUT_STEPS:
+            if self._steps - state.planned_step >= STORE_REPORT_TIMEOUT_STEPS:
                 if not state.timed_out:
                     state.timed_out = True
                     self._count_fallback(req_id, Fallback.STORE_TIMEOUT, "no store report")
@@ -334,9 +342,7 @@ class RecomputeOffloadScheduler:
 
     def build_step_plan(self) -> StepPlan:
         """The copies planned since the last call (one call per engine step)."""
-        for state in self.preempted.values():
-            if state.phase == Phase.STORING:
-                state.steps_waiting += 1
+        self._steps += 1  # (a store's wait is counted from it: no pass over the requests)
         plan, self._plan = self._plan, StepPlan()
         return plan
 

@@ -124,7 +124,8 @@ class PreemptedRequestState:
             holding it, or ``None`` where the device block was a null block.
         job_id: the store or load job in flight.
         ranks_ok / ranks_failed: reports received for the job in flight.
-        steps_waiting: scheduler steps since the store was planned.
+        planned_step: the scheduler steps counted when its store was planned (a
+            request stays STORING from then until it leaves that phase for good).
         free_when_done: the request finished while a copy was in flight.
     """
 
@@ -137,7 +138,7 @@ class PreemptedRequestState:
     pinned: list[int] = field(default_factory=list)
     ranks_ok: int = 0
     ranks_failed: int = 0
-    steps_waiting: int = 0
+    planned_step: int = 0
     free_when_done: bool = False
     load_tokens: int = 0
     timed_out: bool = False
