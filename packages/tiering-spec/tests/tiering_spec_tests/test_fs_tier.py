@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -128,8 +129,63 @@ def test_files_another_engine_wrote_are_indexed_a_slice_per_poll(
         mine.poll()
         indexed.append(sum(key_digest(k) in mine._index for k in keys))
     assert indexed == [2, 4, 5], "a slice of two entries a poll"
-    assert not mine._discovered[0]
+    assert mine._disk.waiting == 0
     assert read(mine, keys[3], 7).ok
+
+
+def test_a_found_file_this_tier_removed_before_its_turn_is_never_indexed(
+    make_tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Discovery's findings wait in the scanner until their slice comes; a file this tier
+    removes meanwhile (its unlink tells the scanner) is not indexed: it is gone."""
+    region = Region(8)
+    mine = make_tier(region)
+    other = make_tier(region)
+    keys = [b"theirs-%d" % i for i in range(5)]
+    for i, key in enumerate(keys):
+        write(other, region, key, i, i + 1)
+    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SECONDS", 0.0)
+    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SLICE", 2)
+    deadline = time.monotonic() + 30
+    while mine._disk.waiting < len(keys) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    mine.poll()
+    pending = [key_digest(k) for k in keys if key_digest(k) not in mine._index]
+    assert len(pending) == 3
+    gone = pending[0]
+    shard, name = mine._where(gone)
+    os.unlink(name, dir_fd=mine.fsdirs.shard(0, shard))  # (as the tier's unlink task does)
+    mine._disk.note_own_change(shard, gone, False)
+    while mine._disk.waiting:
+        mine.poll()
+    assert gone not in mine._index
+    assert all(d in mine._index for d in pending[1:])
+
+
+def test_earlier_files_indexed_while_a_full_disk_holds_the_capacity_down_are_kept(
+    make_tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk lowers the capacity to the tier's indexed files plus the free space;
+    the start-up scan's files, on disk before, raise it as they are indexed instead of
+    being evicted for it."""
+    region = Region(8)
+    entry = fs_format.HEADER_SIZE + PAYLOAD
+    first = make_tier(region)
+    old = [b"old-%d" % i for i in range(6)]
+    for i, key in enumerate(old):
+        write(first, region, key, i, i + 1)
+    first.shutdown()
+    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SECONDS", 0.0)
+    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SLICE", 2)
+    tier = make_tier(region, capacity=10 * entry, take_scan=False)
+    assert tier.scan_done.wait(30)
+    assert tier._capacity.lower_for_full_disk(0, entry)  # a write found the disk full
+    assert tier.capacity_bytes == 2 * entry  # (one entry per write thread)
+    while tier._scan_result or tier._scan_taking is not None:
+        tier.poll()
+    assert tier.stats.evictions == 0
+    assert all(tier.has(key_digest(k)) for k in old)
+    assert tier.capacity_bytes == 8 * entry, "raised by the files found, below its target"
 
 
 def test_a_capacity_gone_far_below_the_files_is_trimmed_a_slice_per_poll(
@@ -469,6 +525,45 @@ def test_a_full_disk_evicts_the_oldest_files_and_retries_the_write(
     assert evicted == keys[:1], "only the oldest entry makes room"
     assert tier.capacity_bytes == 10 * tier.entry_bytes, "what the tier held plus 0 free"
     assert any("capacity lowered" in r.getMessage() for r in caplog.records)
+
+
+def test_a_full_disk_retries_the_write_with_other_writes_in_flight(make_tier, monkeypatch) -> None:
+    """After a full disk the capacity is the tier's files plus the free space, so the
+    writes in flight are over it; the failed write still makes its room and is retried,
+    however many are in flight (TRIM_ENTRIES 0: any excess is more than a poll trims)."""
+    monkeypatch.setattr(fs_capacity, "TRIM_ENTRIES", 0)
+    region = Region(12)
+    tier = make_tier(region)
+    for i in range(4):
+        write(tier, region, b"old-%d" % i, i, i)
+    calls = {"n": 0}
+    real = fs_io._pwritev
+    release = threading.Event()
+
+    def full_then_slow(*a: object, **k: object) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if calls["n"] == 2:
+            release.wait(30)  # a write in flight while the first is retried
+        return real(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fs_io, "_pwritev", full_then_slow)
+    monkeypatch.setattr(fs_io, "_fstatvfs", lambda fd: SimpleNamespace(f_bavail=0, f_frsize=4096))
+    assert tier.submit_write(b"new", key_digest(b"new"), 10)
+    deadline = time.monotonic() + 30
+    while not tier._results and time.monotonic() < deadline:
+        time.sleep(0.01)  # its failure is back, not yet polled
+    assert tier.submit_write(b"slow", key_digest(b"slow"), 11)
+    while calls["n"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        [res] = [r for r in wait_results(tier, 1) if r.op == "write"]
+        assert res.ok and res.key == b"new", "retried beside the write in flight"
+    finally:
+        release.set()
+    wait_results(tier, 1)
+    assert tier.has(key_digest(b"new")) and tier.has(key_digest(b"slow"))
 
 
 def test_failed_rename_is_a_failed_write(make_tier, monkeypatch) -> None:

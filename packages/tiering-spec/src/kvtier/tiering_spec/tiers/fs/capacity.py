@@ -127,16 +127,17 @@ class TierCapacity:
                 self._forget_evicted(evicted, 0)
 
     def _make_room(
-        self, nbytes: int, protect: bytes | None = None, *, reuse: int = 0
+        self, nbytes: int, protect: bytes | None = None, *, reuse: int = 0, bounded: bool = True
     ) -> tuple[bool, list[bytes]]:
         """Evict the entries the policy picks (never ones being read) until ``nbytes``
         more fit. Returns (whether they fit, evicting nothing more when they cannot; up
         to ``reuse`` evicted entries, the policy's first first, whose files the caller's
         writes take over instead of creating new ones). A reused digest stays in
         ``_unlinking`` until the write that takes it over is polled. While the tier is
-        over its capacity by more than ``TRIM_ENTRIES`` nothing fits: the excess is
-        trimmed at the polls (:meth:`_trim`), not by one write."""
-        if self._over_capacity() > TRIM_ENTRIES:
+        over its capacity by more than ``TRIM_ENTRIES`` nothing fits (unless not
+        ``bounded``): the excess is trimmed at the polls (:meth:`_trim`), not by one
+        write."""
+        if bounded and self._over_capacity() > TRIM_ENTRIES:
             return False, []
         reading = self._reading
         evicted = self._index.make_room(
@@ -304,7 +305,9 @@ class TierCapacity:
                 before,
                 self.capacity_bytes,
             )
-        if not self._make_room(self.entry_bytes)[0]:
+        # (Unbounded: the excess of a capacity lowered to the tier's files and the free
+        # space is at most the writes in flight, and this write is retried once.)
+        if not self._make_room(self.entry_bytes, bounded=False)[0]:
             return False
         self._fault(TierFault.DISK_FULL, res)
         self._retried.add(digest)

@@ -177,6 +177,14 @@ class FsCapacity:
             return True
         return False
 
+    def count_found(self, nbytes: int) -> None:
+        """Files of ``nbytes`` that were on disk when a full disk lowered the bound (the
+        start-up scan's, indexed since) count toward it: it rises by them, never above
+        the target."""
+        cap, target = self.current, self.target
+        if cap is not None and cap != target:
+            self.current = cap + nbytes if target is None else min(target, cap + nbytes)
+
     def regrow(self, used: int, reserved: int, free: int) -> bool:
         """After a full disk, with ``free`` bytes free again: raise the bound toward the
         target as far as the tier's files, its writes in flight and that room allow.

@@ -133,11 +133,16 @@ class FsScanner:
         """Digests found and not taken yet."""
         return len(self._found)
 
-    def take_found(self) -> set[bytes]:
-        """The digests found since the last call (scheduler thread)."""
+    def take_found(self, most: int | None = None) -> list[bytes]:
+        """Digests found and not taken yet, ``most`` of them at most (scheduler thread).
+        Those left wait here, where a file this tier removes meanwhile is forgotten
+        (:meth:`note_own_change`)."""
         with self._lock:
-            found, self._found = self._found, set()
-        return found
+            found = self._found
+            if most is None or len(found) <= most:
+                self._found = set()
+                return list(found)
+            return [found.pop() for _ in range(most)]
 
     def _scandir(self, rank: int, shard: int) -> list[tuple[bytes, os.stat_result]]:
         """(digest, lstat) of the entries named like block files in one shard folder."""

@@ -187,8 +187,6 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         write; ``poll`` takes in what it found."""
         self._scan_result: list[Any] = []
         self._scan_taking: tuple[Any, int] | None = None  # (report, entries indexed)
-        # What discovery found, and how much of it is indexed.
-        self._discovered: tuple[list[bytes], int] = ([], 0)
         self.scan_done = threading.Event()
         self._stop = threading.Event()
         self._disk = FsScanner(self.fsdirs, self.world_size, self.file_bytes, self.fingerprints)
@@ -240,43 +238,56 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
 
     def _take_discovered(self) -> None:
         """Index what the background thread found on disk (scheduler thread), as the
-        scan's findings: ``SCAN_TAKE_SECONDS`` of it a call (everything on disk shows up
-        at once where the start-up scan failed)."""
-        found, done = self._discovered
-        if done >= len(found):
-            found, done = list(self._disk.take_found()), 0
-        done = self._take_slices(found, done)
-        self._discovered = (found, done) if done < len(found) else ([], 0)
+        scan's findings: ``SCAN_TAKE_SLICE`` digests at a time, each slice followed by a
+        trim to the capacity, for ``SCAN_TAKE_SECONDS`` (everything on disk shows up at
+        once where the start-up scan failed). The rest waits in the scanner, which
+        forgets a file this tier removes meanwhile."""
+        deadline = time.perf_counter() + SCAN_TAKE_SECONDS
+        while True:
+            found = self._disk.take_found(SCAN_TAKE_SLICE)
+            if not found:
+                break
+            self._index_found(found)
+            self._trim()
+            if time.perf_counter() >= deadline:
+                break
 
-    def _take_slices(
-        self, entries: Sequence[bytes], done: int, *, whole: bool = False, scan: bool = False
-    ) -> int:
-        """Index ``entries[done:]`` in order, ``SCAN_TAKE_SLICE`` at a time, each slice
-        followed by a trim to the capacity, for ``SCAN_TAKE_SECONDS`` (``whole``: all);
-        returns how far it got. A default capacity counts the start-up ``scan``'s files
+    def _take_scan_slices(self, entries: Sequence[bytes], done: int, whole: bool) -> int:
+        """Index the start-up scan's ``entries[done:]`` in order, ``SCAN_TAKE_SLICE`` at
+        a time, each slice followed by a trim to the capacity, for ``SCAN_TAKE_SECONDS``
+        (``whole``: all); returns how far it got. A default capacity counts the files
         as they are indexed (the bound the whole scan gives, reached as it is taken), so
         a write in between does not evict files of earlier runs against the capacity the
-        empty tier had."""
+        empty tier had. While a full disk holds the capacity down, each file indexed
+        raises it by its bytes (toward the target): it was on disk when the capacity was
+        lowered to the tier's files and the free space, and takes no new room."""
         deadline, step = time.perf_counter() + SCAN_TAKE_SECONDS, SCAN_TAKE_SLICE
+        capacity = self._capacity
         while done < len(entries):
             end = min(len(entries), done + step)
-            if scan and self.capacity_is_default and not self._capacity.lowered:
-                self._capacity.reset(self._default_capacity(end * self.entry_bytes))
-            self._index_found(entries[done:end])
+            if self.capacity_is_default and not capacity.lowered:
+                capacity.reset(self._default_capacity(end * self.entry_bytes))
+            added = self._index_found(entries[done:end])
+            if capacity.lowered:
+                capacity.count_found(added * self.entry_bytes)
             done = end
             self._trim()
             if not whole and time.perf_counter() >= deadline:
                 break
         return done
 
-    def _index_found(self, digests: Iterable[bytes]) -> None:
+    def _index_found(self, digests: Iterable[bytes]) -> int:
         """Index files found on disk, oldest first: the policy sees each stored on its
-        own (a batch would be taken for one request's prefix; scheduler thread)."""
+        own (a batch would be taken for one request's prefix; scheduler thread). Returns
+        how many were new to the index."""
         index = self._index
+        added = 0
         for digest in digests:
             if digest in index or digest in self._writing or digest in self._unlinking:
                 continue
             index.add(digest, None)
+            added += 1
+        return added
 
     def touch(self, digests: Sequence[bytes]) -> None:
         """``digests`` were used (head first); unknown ones are ignored."""
@@ -300,7 +311,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
                 return
             taking = (report, 0)
         report, done = taking
-        done = self._take_slices(report.entries, done, whole=whole, scan=True)
+        done = self._take_scan_slices(report.entries, done, whole)
         if done < len(report.entries):
             self._scan_taking = (report, done)
             return
@@ -404,7 +415,6 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
             or self._scan_result
             or self._scan_taking is not None
             or self._disk.waiting
-            or self._discovered[0]
             or self._over_capacity()
             or (self._free_seen is not None and self._capacity.lowered)
         )
@@ -413,7 +423,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         """Finished jobs since the last call; updates the index and counters."""
         if self._scan_result or self._scan_taking is not None:
             self._take_scan()
-        if self._disk.waiting or self._discovered[0]:
+        if self._disk.waiting:
             self._take_discovered()
         elif self._over_capacity():
             self._trim()  # (a capacity lowered or recomputed: a slice a poll)
