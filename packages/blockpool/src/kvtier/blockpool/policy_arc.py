@@ -26,7 +26,7 @@ class ARCPolicy:
     so that ``|t1| + |b1| <= capacity`` and all four lists hold ``<= 2 * capacity``.
     """
 
-    __slots__ = ("b1", "b2", "capacity", "p", "parked", "t1", "t2")
+    __slots__ = ("_t1", "_t2", "b1", "b2", "capacity", "p", "parked")
     name = "arc"
 
     def __init__(self, capacity: int) -> None:
@@ -34,16 +34,34 @@ class ARCPolicy:
         self.p = 0.0
         # t1 and t2 park the keys an eviction with ``park`` passes over and finds
         # unevictable, in one dict, until :meth:`unpark` (see ``policy_order``).
-        self.t1 = ParkingOrder()
-        self.t2 = ParkingOrder(shared=self.t1)
-        self.parked = self.t1.parked
+        self._t1 = ParkingOrder()
+        self._t2 = ParkingOrder(shared=self._t1)
+        self.parked = self._t1.parked
         self.b1: OrderedDict[Key, None] = OrderedDict()
         self.b2: OrderedDict[Key, None] = OrderedDict()
+
+    @property
+    def t1(self) -> ParkingOrder:
+        """Keys seen once since they entered the cache, oldest first."""
+        return self._t1
+
+    @t1.setter
+    def t1(self, keys: Iterable[Key]) -> None:
+        self._t1.reset(keys)
+
+    @property
+    def t2(self) -> ParkingOrder:
+        """Keys seen at least twice, oldest first."""
+        return self._t2
+
+    @t2.setter
+    def t2(self, keys: Iterable[Key]) -> None:
+        self._t2.reset(keys)
 
     def insert(self, keys: Sequence[Key]) -> None:
         """``keys`` entered the cache: each once, none already in ``t1`` or ``t2`` (the
         pool makes sure); the last is the newest."""
-        o1, o2, b1, b2 = self.t1.order, self.t2.order, self.b1, self.b2
+        o1, o2, b1, b2 = self._t1.order, self._t2.order, self.b1, self.b2
         for key in keys:
             if key in b1:
                 self.p = min(float(self.capacity), self.p + max(1.0, len(b2) / len(b1)))
@@ -60,7 +78,7 @@ class ARCPolicy:
     def touch(self, keys: Sequence[Key]) -> None:
         """``keys`` were used again: each moves to the new end of ``t2``, the *first*
         key last (it is the newest). Unknown keys are ignored."""
-        t1, t2 = self.t1, self.t2
+        t1, t2 = self._t1, self._t2
         o1, o2 = t1.order, t2.order
         aside = t1.aside() or t2.aside()
         for key in reversed(keys):
@@ -76,7 +94,7 @@ class ARCPolicy:
         """A request finished with ``keys`` (head first): the keys in ``reused`` are
         touched; the others (stored by the request) move to the new end of the list
         they are in, as a store is not a second use. The head ends up the newest."""
-        t1, t2 = self.t1, self.t2
+        t1, t2 = self._t1, self._t2
         o1, o2 = t1.order, t2.order
         aside = t1.aside() or t2.aside()
         for key in reversed(keys):
@@ -96,13 +114,13 @@ class ARCPolicy:
 
     def remove(self, key: Key) -> None:
         """``key`` left the cache other than by ``evict``; it leaves no ghost."""
-        if not self.t1.pop(key) and not self.t2.pop(key):
+        if not self._t1.pop(key) and not self._t2.pop(key):
             raise KeyError(key)
 
     def unpark(self, keys: Iterable[Key]) -> None:
         """``keys`` may be evictable now (stored, or their last pin ended): those an
         eviction parked go back to their list, in their place."""
-        self.t1.unpark(keys)  # (routes each to its own list)
+        self._t1.unpark(keys)  # (routes each to its own list)
 
     def evict(
         self,
@@ -121,7 +139,7 @@ class ARCPolicy:
         and found unevictable are parked until the caller unparks them."""
         if n <= 0:
             return []
-        t1, t2 = self.t1, self.t2
+        t1, t2 = self._t1, self._t2
         walk1 = t1.walk(evictable, park=park, protected=protected)
         walk2 = t2.walk(evictable, park=park, protected=protected)
         from1: list[Key] = []
@@ -157,11 +175,11 @@ class ARCPolicy:
     def _trim_ghosts(self) -> None:
         """Forget the oldest ghosts beyond the bounds of the class docstring."""
         c, b1, b2 = self.capacity, self.b1, self.b2
-        while b1 and len(self.t1) + len(b1) > c:
+        while b1 and len(self._t1) + len(b1) > c:
             b1.popitem(last=False)
-        while b2 and len(self.t1) + len(self.t2) + len(b1) + len(b2) > 2 * c:
+        while b2 and len(self._t1) + len(self._t2) + len(b1) + len(b2) > 2 * c:
             b2.popitem(last=False)
 
     def keys_in_eviction_order(self) -> list[Key]:
         """``t1`` then ``t2``, each oldest first (the order while ``|t1| > p``)."""
-        return [*self.t1.keys(), *self.t2.keys()]
+        return [*self._t1.keys(), *self._t2.keys()]

@@ -100,6 +100,23 @@ class ParkingOrder:
                     owner._back[key] = walked
                     heappush(owner._heap, (walked, key))
 
+    def items(self) -> Iterator[tuple[Key, None]]:
+        """``(key, None)`` for every key, oldest first (an ordered dict's view)."""
+        return ((key, None) for key in self.keys())
+
+    def reset(self, keys: Iterable[Key]) -> None:
+        """Make ``keys`` the whole order, oldest first, nothing out of it: an
+        ``OrderedDict`` is used as it is (vLLM's tests set one that counts its
+        ``items()``), anything else copied."""
+        if self._num_parked:
+            parked, tag = self.parked, self._tag
+            for key in [k for k, mark in parked.items() if mark & _TAG_MASK == tag]:
+                del parked[key]
+            self._num_parked = 0
+        self._back.clear()
+        self._heap.clear()
+        self.order = keys if isinstance(keys, OrderedDict) else OrderedDict.fromkeys(keys)
+
     def keys(self) -> list[Key]:
         """Every key, oldest first."""
         tag = self._tag
@@ -188,7 +205,7 @@ class Walk:
             else:
                 kept.append(entry)
         passed, taken = self._passed, self._from_order
-        for key in src.order:
+        for key, _ in src.order.items():  # (items(): an ordered dict a test set may count)
             if key not in protected and evictable(key):
                 taken.append(key)
                 yield key
