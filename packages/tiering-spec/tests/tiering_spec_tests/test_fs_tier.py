@@ -106,11 +106,9 @@ def test_a_large_start_up_scan_is_indexed_a_slice_per_poll(
     assert third.wait_scan(30) and third.stats.files_indexed_at_start == 5, "all at once"
 
 
-def test_files_another_engine_wrote_are_indexed_a_slice_per_poll(
-    make_tier, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What discovery finds on disk (everything, where the start-up scan failed) is
-    indexed as the scan's findings: SCAN_TAKE_SECONDS a poll, at least a slice."""
+def found_by_discovery(make_tier, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """A tier whose discovery found 5 files another engine wrote into its root_dir, not
+    taken yet, and their keys; the scan's take set to one slice of 2 a poll."""
     region = Region(8)
     mine = make_tier(region)
     other = make_tier(region)
@@ -123,6 +121,15 @@ def test_files_another_engine_wrote_are_indexed_a_slice_per_poll(
     while mine._disk.waiting < len(keys) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert mine._disk.waiting == len(keys)
+    return mine, keys
+
+
+def test_files_another_engine_wrote_are_indexed_a_slice_per_poll(
+    make_tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What discovery finds on disk (everything, where the start-up scan failed) is
+    indexed as the scan's findings: SCAN_TAKE_SECONDS a poll, at least a slice."""
+    mine, keys = found_by_discovery(make_tier, monkeypatch)
     indexed = []
     for _ in range(3):
         assert mine.has_news
@@ -138,17 +145,7 @@ def test_a_found_file_this_tier_removed_before_its_turn_is_never_indexed(
 ) -> None:
     """Discovery's findings wait in the scanner until their slice comes; a file this tier
     removes meanwhile (its unlink tells the scanner) is not indexed: it is gone."""
-    region = Region(8)
-    mine = make_tier(region)
-    other = make_tier(region)
-    keys = [b"theirs-%d" % i for i in range(5)]
-    for i, key in enumerate(keys):
-        write(other, region, key, i, i + 1)
-    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SECONDS", 0.0)
-    monkeypatch.setattr(fs_tier, "SCAN_TAKE_SLICE", 2)
-    deadline = time.monotonic() + 30
-    while mine._disk.waiting < len(keys) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    mine, keys = found_by_discovery(make_tier, monkeypatch)
     mine.poll()
     pending = [key_digest(k) for k in keys if key_digest(k) not in mine._index]
     assert len(pending) == 3
