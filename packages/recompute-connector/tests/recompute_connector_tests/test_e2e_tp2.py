@@ -1,4 +1,4 @@
-"""Tensor parallel 2 on vLLM's CPU platform (one core per rank, multiprocess engine)."""
+"""Tensor parallel 2 on vLLM's CPU platform (one core per rank, a worker process each)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Tensor parallel 2 on vLLM's CPU platform, end to end with the tiers (each test runs a
-script with a multiprocess engine, one core per rank).
+script whose engine has a worker process per rank, one core each).
 
-A file of their own, apart from test_e2e.py's in-process engines: each test here takes
+A file of their own, apart from test_e2e.py's one-process engines: each test here takes
 minutes, and pytest-xdist hands a whole file to one process, so kept together with the
 others they left the other process idle at the end of the run.
 """
@@ -20,9 +20,19 @@ pytestmark = [pytest.mark.e2e, pytest.mark.heavy, pytest.mark.slow]
 pytest.importorskip("vllm")
 
 
+# The engine core runs in the script's process, each rank's worker in a process of its
+# own (vLLM's multiprocess executor): the scheduler side and the two workers still meet
+# only through vLLM's messages. vLLM's CPU platform spawns its processes, and a spawned
+# engine core imports vLLM again first (20-25 s per engine on 2 cores, 46 s of each
+# test's 140). The trip of the connectors' metrics between processes is the `vllm serve`
+# tests' (demo's test_server.py).
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def run_tp2_script(module: str, tmp_path: Path, marker: str) -> None:
-    """Run a TP 2 engine script (multiprocess, one core per rank) and check its marker."""
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    """Run a TP 2 engine script (two worker processes, one core per rank) and check its
+    marker."""
+    env = TP2_ENV
     out = run_script(__file__, module, str(tmp_path / "fs"), env=env, timeout=900, cwd=tmp_path)
     tail = (out.stdout + out.stderr)[-4000:]
     assert out.returncode == 0, tail
