@@ -218,6 +218,31 @@ class OftenRescaledAgainstModel(FrecencyAgainstModel):
     policy_type = OftenRescaled
 
 
+class BuiltAhead(SmallFrecency):
+    """Builds the queues of each halving ahead, whatever its capacity (see
+    ``INCREMENTAL_KEYS``)."""
+
+    __slots__ = ()
+    INCREMENTAL_KEYS = 1
+
+
+class BuiltAheadRescaled(BuiltAhead):
+    __slots__ = ()
+    RESCALE_HALVINGS = 2
+
+
+class BuiltAheadAgainstModel(FrecencyAgainstModel):
+    """Halvings swap in queues built a few rows a stored block or reuse: the same
+    victims as queueing every key anew in the halving's call."""
+
+    policy_type = BuiltAhead
+
+
+class BuiltAheadParkingAgainstModel(BuiltAheadAgainstModel):
+    policy_type = BuiltAheadRescaled
+    park = True
+
+
 class ParkingAgainstModel(FrecencyAgainstModel):
     """Evictions park the keys they find unevictable until they are unparked: the same
     victims as going over them each time."""
@@ -227,8 +252,14 @@ class ParkingAgainstModel(FrecencyAgainstModel):
 
 @pytest.mark.parametrize(
     "machine",
-    [FrecencyAgainstModel, OftenRescaledAgainstModel, ParkingAgainstModel],
-    ids=["plain", "scaled-back-often", "parking"],
+    [
+        FrecencyAgainstModel,
+        OftenRescaledAgainstModel,
+        ParkingAgainstModel,
+        BuiltAheadAgainstModel,
+        BuiltAheadParkingAgainstModel,
+    ],
+    ids=["plain", "scaled-back-often", "parking", "built-ahead", "built-ahead-parking"],
 )
 def test_frecency_policy_matches_model(machine: type[FrecencyAgainstModel]) -> None:
     run_state_machine_as_test(

@@ -205,6 +205,91 @@ def test_frecency_halving_leaves_every_queued_score_exact() -> None:
     assert len(policy._heap) + len(policy._fresh) == queued_before - 8, "keys pushed back"
 
 
+class _AheadFrecency(FrecencyPolicy):
+    """Builds each halving's queues ahead at any capacity (``INCREMENTAL_KEYS``)."""
+
+    __slots__ = ()
+    INCREMENTAL_KEYS = 1
+
+
+def _evictable_but(refused: set[int]) -> Callable[[Hashable], bool]:
+    return lambda key: key not in refused
+
+
+def test_frecency_halving_swaps_in_queues_built_ahead() -> None:
+    """From ``INCREMENTAL_KEYS`` on, a halving goes over no key: it swaps in the queues
+    of the next scale, built a few rows per stored block between tunings; the keys
+    used since are queued anew as evictions reach them."""
+    policy = _AheadFrecency(64)
+    keys = [f"k{i:02}" for i in range(64)]
+    for i, key in enumerate(keys):  # clocks rising; the older half used once
+        policy.insert([key])
+        if i < 32:
+            policy.touch([key])
+    assert policy.evict(1, lambda key: True) == ["k32"]
+    spare = policy._spare_heap, policy._spare_fresh
+    policy._lead = -1  # the next tuning halves
+    policy._tune()
+    assert policy._halvings == 1
+    assert (policy._heap, policy._fresh) == spare and policy._heap is spare[0]
+    assert policy._walk == 0 and policy._walk_end == 64, "the next walk starts"
+    after = policy.keys_in_eviction_order()
+    assert policy.evict(8, lambda key: True) == after[:8]
+
+
+def test_frecency_built_ahead_evicts_as_queueing_anew() -> None:
+    """Queues built ahead give the victims of queueing every key anew at each halving,
+    also where tunings come closer than ``capacity`` stored blocks apart (the walk then
+    ends in the halving's call), over stores, reuses, touches, parking and removals."""
+    import random
+
+    rng = random.Random(11)
+    ahead, anew = _AheadFrecency(16), FrecencyPolicy(16)
+    assert anew._spare_items is None and ahead._spare_items is not None
+    cached: set[int] = set()
+    refused: set[int] = set()
+    halvings = 0
+    for step in range(6000):
+        roll = rng.random()
+        policies = (ahead, anew)
+        if roll < 0.35:
+            keys = [k for k in rng.sample(range(200), rng.randint(1, 8)) if k not in cached]
+            for policy in policies:
+                policy.insert(keys)
+            cached.update(keys)
+        elif roll < 0.6 and cached:
+            keys = rng.sample(sorted(cached), min(len(cached), rng.randint(1, 6)))
+            reused = {k for k in keys if rng.random() < 0.6}
+            for policy in policies:
+                policy.touch_prefix(keys, reused)
+        elif roll < 0.65 and cached:
+            keys = rng.sample(sorted(cached), min(len(cached), 3))
+            for policy in policies:
+                policy.touch(keys)
+        elif roll < 0.68 and cached:
+            key = rng.choice(sorted(cached))
+            for policy in policies:
+                policy.remove(key)
+            cached.discard(key)
+        elif roll < 0.72:
+            for policy in policies:  # a halving sooner than the walk's pace
+                policy._lead = -1
+                policy._tune()
+            halvings += 1
+        elif roll < 0.8 and cached:
+            unrefused = sorted(refused)
+            refused = set(rng.sample(sorted(cached), min(len(cached), 3)))
+            ahead.unpark([k for k in unrefused if k not in refused])
+        elif len(cached) > 4:
+            n = rng.randint(1, len(cached) - 4)
+            ok = _evictable_but(refused)
+            gone = [ahead.evict(n, ok, park=True), anew.evict(n, ok)]
+            assert gone[0] == gone[1], step
+            cached.difference_update(gone[0] or ())
+        assert ahead.keys_in_eviction_order() == anew.keys_in_eviction_order(), step
+    assert ahead._halvings == anew._halvings > halvings, "tunings halved on their own too"
+
+
 @pytest.mark.parametrize("comes_back", ["insert", "touch", "touch_prefix"])
 def test_frecency_halves_a_ghosts_uses_when_it_comes_back(comes_back: str) -> None:
     """A halving goes over the cached keys only; a ghost's uses are halved when it is

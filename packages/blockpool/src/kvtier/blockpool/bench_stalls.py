@@ -13,8 +13,11 @@ and the median, for each scenario, pool size and eviction policy, beside vLLM's
   which evicts);
 * ``scattered``: every other block of the pool free (stores that failed), then stores
   of 16 blocks and one of 1,024 taking them (timed: ``prepare_store``);
-* ``halving`` (frecency): a full pool, then the halving of every use count that the
-  policy makes when LRU would have served more reuses (timed: that tuning).
+* ``halving`` (frecency): a full pool, then three times the halving of every use count
+  that the policy makes when LRU would have served more reuses, each followed by the
+  stores of 16 blocks (completed) up to the next tuning, a pool's worth (timed: the
+  tunings and the stores, where a pool from ``INCREMENTAL_KEYS`` blocks on builds the
+  next halving's queues).
 
 The garbage the setup leaves is collected before the timed calls: a collection visits
 every object the process tracks, and one landing in a timed call would be the setup's
@@ -134,15 +137,25 @@ def scattered(side: Any, blocks: int) -> list[float]:
 
 def halving(side: Any, blocks: int) -> list[float]:
     pool = side.pool
-    keys = make_keys(blocks)
-    side.fill(keys)
-    pool.touch(keys[::3])
+    keys = make_keys(blocks * 4)
+    side.fill(keys[:blocks])
+    pool.touch(keys[:blocks:3])
     policy: Any = pool.policy
+
+    def store(request: list[bytes]) -> Callable[[], None]:
+        def call() -> None:
+            assert pool.prepare_store(request) is not None
+            pool.complete_store(request)
+
+        return call
+
     gc.collect()
     times = []
-    for _ in range(3):
+    for round_ in range(3):
         policy._lead = -1  # LRU would have served more reuses: the tuning halves
         times += _timed([policy._tune])
+        new = keys[blocks * (round_ + 1) : blocks * (round_ + 2)]
+        times += _timed([store(new[i : i + REQUEST]) for i in range(0, blocks, REQUEST)])
     return times
 
 

@@ -59,10 +59,24 @@ class FrecencyPolicy:
     scaling by a power of two being exact, the same floating-point comparisons. A
     halving raises ``e``, so a use counts twice as much as every earlier one, which is
     what halving the earlier ones does; ghosts need nothing, and no use checks for
-    halvings it missed. The cached keys are queued anew with their scaled scores in
-    one pass (left to evictions, each stale key would be popped and pushed again, at
-    several times the cost). Every ``RESCALE_HALVINGS`` halvings every entry's scaled
-    uses are scaled back and ``e`` starts from 0 again.
+    halvings it missed. The cached keys are then queued anew with their scaled scores
+    (left to evictions, each stale key would be popped and pushed again, at several
+    times the cost). Every ``RESCALE_HALVINGS`` halvings every entry's scaled uses are
+    scaled back and ``e`` starts from 0 again.
+
+    Below ``INCREMENTAL_KEYS`` of capacity the halving's call queues them anew in one
+    pass. From there on that pass would be one call of milliseconds (0.05-0.2 s at
+    100,000 keys), so the queues of the next scale (``2 ** (e + 1)``) are built ahead,
+    a few rows per stored block and per reuse between tunings: a *spare* heap, FIFO and
+    item per row, kept as the main ones are (a key inserted or stored again is queued
+    in both, one evicted or forgotten leaves both, and the items of evicted keys are
+    dropped from the spare queues' heads as evictions go). A halving swaps the spare
+    queues in; a spare item older than its key's last use is a lower bound of its score
+    there too, and is queued anew when popped, as any item is. The walk over the rows
+    starts again after each halving (and after a tuning that did not halve, once the
+    spare queues hold twice the cached keys); tunings are ``capacity`` stored blocks or
+    reuses apart, and the walk takes ``ceil(rows / capacity)`` rows a block or reuse,
+    so it has gone over every row by the next one (a halving called sooner ends it).
 
     A use writes its key's entry and nothing else: each cached key is queued once, with
     the scaled score it had when queued (a lower bound, as scores only grow between
@@ -96,8 +110,14 @@ class FrecencyPolicy:
         "_reuses",
         "_scale",
         "_seen",
+        "_spare_fresh",
+        "_spare_heap",
+        "_spare_items",
         "_stored_at",
         "_uses",
+        "_walk",
+        "_walk_end",
+        "_walk_step",
         "capacity",
         "clock",
         "max_ghosts",
@@ -111,6 +131,9 @@ class FrecencyPolicy:
     RESCALE_HALVINGS = 512
     """Halvings after which the scaled uses and scores are scaled back (``2 ** 512``
     times a clock of ``2 ** 400`` stays far from the largest float)."""
+    INCREMENTAL_KEYS = 4096
+    """Capacity from which the queues of a halving are built ahead (see the class):
+    below it, queueing every cached key anew takes a few milliseconds at most."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
@@ -145,11 +168,29 @@ class FrecencyPolicy:
         self._halvings = 0  # halvings of the uses so far
         self._exponent = 0  # halvings since the entries were last scaled back
         self._scale = 1.0  # 2 ** exponent: what a use adds to the scaled uses
+        # The queues of the next scale, built ahead (capacities of INCREMENTAL_KEYS on,
+        # see the class): each row's item in them (_GHOST_ITEM: none), the heap and the
+        # FIFO; the walk over the rows that builds them (rows below _walk_end not
+        # walked yet from _walk on, _walk_step a stored block or reuse). Unused below.
+        self._spare_items: list[tuple[float, int, Key]] | None = (
+            [] if self.capacity >= self.INCREMENTAL_KEYS else None
+        )
+        self._spare_heap: list[tuple[float, int, Key]] = []
+        self._spare_fresh: deque[tuple[float, int, Key]] = deque()
+        self._walk = self._walk_end = 0
+        self._walk_step = 1
 
     def _new(self, clock: float, order: int, item: tuple[float, int, Key]) -> int:
         """A new entry's row: no uses, last used now (``clock``, ``order``), queued as
-        ``item``."""
+        ``item`` (and in the spare FIFO at the next scale)."""
+        spare_items = self._spare_items
+        spare = _GHOST_ITEM
         free = self._free
+        if spare_items is not None and (
+            not free or not self._walk <= free[-1] < self._walk_end  # (else walked)
+        ):
+            spare = (2.0 * item[0], order, item[2])
+            self._spare_fresh.append(spare)
         if free:
             row = free.pop()
             self._uses[row] = 0
@@ -158,6 +199,8 @@ class FrecencyPolicy:
             self._restored[row] = False
             self._orders[row] = order
             self._items[row] = item
+            if spare_items is not None:
+                spare_items[row] = spare
             return row
         self._uses.append(0)
         self._clocks.append(clock)
@@ -165,12 +208,70 @@ class FrecencyPolicy:
         self._restored.append(False)
         self._orders.append(order)
         self._items.append(item)
+        if spare_items is not None:
+            spare_items.append(spare)
         return len(self._items) - 1
+
+    def _spare(self, row: int, key: Key) -> None:
+        """Queue ``key`` (row ``row``, cached) in the spare heap with its score at the
+        next scale."""
+        spare = (self._uses[row] + 2.0 * self._scale * self._clocks[row], self._orders[row], key)
+        heappush(self._spare_heap, spare)
+        self._spare_items[row] = spare  # type: ignore[index]
+
+    def _walk_rows(self, n: int) -> None:
+        """Walk ``n`` rows more (see the class): each cached key's row queues it in the
+        spare heap, each other row gets no spare item."""
+        start = self._walk
+        end = min(self._walk_end, start + n)
+        self._walk = end
+        items, spare_items = self._items, self._spare_items
+        assert spare_items is not None
+        uses, clocks, orders = self._uses, self._clocks, self._orders
+        heap, next_scale = self._spare_heap, 2.0 * self._scale
+        for row in range(start, end):
+            item = items[row]
+            if item is _GHOST_ITEM:
+                spare_items[row] = _GHOST_ITEM
+            else:
+                spare = (uses[row] + next_scale * clocks[row], orders[row], item[2])
+                heappush(heap, spare)
+                spare_items[row] = spare
+
+    def _drop_dead_spares(self, most: int) -> None:
+        """Drop up to ``most`` items of keys evicted (or queued again) from the heads of
+        the spare queues: evictions take the lowest scores, so such items gather there,
+        and swapped in, one eviction would pop them all."""
+        seen, spare_items = self._seen, self._spare_items
+        assert spare_items is not None
+        heap, fresh = self._spare_heap, self._spare_fresh
+        while most > 0 and heap:
+            row = seen.get(heap[0][2])
+            if row is not None and spare_items[row] is heap[0]:
+                break
+            heappop(heap)
+            most -= 1
+        while most > 0 and fresh:
+            row = seen.get(fresh[0][2])
+            if row is not None and spare_items[row] is fresh[0]:
+                break
+            fresh.popleft()
+            most -= 1
+
+    def _start_walk(self) -> None:
+        """Build the spare queues anew, from the next stored block or reuse on."""
+        self._spare_heap = []
+        self._spare_fresh = deque()
+        self._walk = 0
+        self._walk_end = len(self._items)
+        self._walk_step = -(-self._walk_end // self.capacity)
 
     def _forget(self, key: Key) -> None:
         """Drop ``key``'s entry (KeyError if it has none); its row is used again."""
         row = self._seen.pop(key)
         self._items[row] = _GHOST_ITEM  # (holds no key)
+        if self._spare_items is not None:
+            self._spare_items[row] = _GHOST_ITEM
         self._free.append(row)
 
     def entry(self, key: Key) -> FrecencyEntry | None:
@@ -207,9 +308,13 @@ class FrecencyPolicy:
                 self._restored[row] = True  # stored again: its next use was a miss
             item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
             heappush(heap, item)
+            if self._spare_items is not None and not self._walk <= row < self._walk_end:
+                self._spare(row, key)
         self._order = order
         self.stored += len(keys)
         self.clock += len(keys) / self.tau
+        if self._walk < self._walk_end:
+            self._walk_rows(len(keys) * self._walk_step)
         if self.stored >= self._next_tune:
             self._tune()
 
@@ -218,12 +323,13 @@ class FrecencyPolicy:
         scores, order, clock and tunings (a tier indexes the files a poll found written
         so, in the order they landed)."""
         seen, ghosts = self._seen, self._ghosts
-        uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
+        uses, clocks, orders = self._uses, self._clocks, self._orders
         for key in keys:
             row = seen.get(key)
             order = self._order = self._order + 1
             clock = self.clock
-            scale = self._scale  # (a tuning may halve: read it for each key)
+            # (A tuning may halve: read the scale, and the items swapped in, each key.)
+            scale, items = self._scale, self._items
             if row is None:
                 item = (scale * clock, order, key)
                 seen[key] = self._new(clock, order, item)
@@ -233,8 +339,12 @@ class FrecencyPolicy:
                     self._restored[row] = True  # stored again: its next use was a miss
                 item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
                 heappush(self._heap, item)
+                if self._spare_items is not None and not self._walk <= row < self._walk_end:
+                    self._spare(row, key)
             self.stored += 1
             self.clock = clock + 1 / self.tau
+            if self._walk < self._walk_end:
+                self._walk_rows(self._walk_step)
             if self.stored >= self._next_tune:
                 self._tune()
 
@@ -280,6 +390,8 @@ class FrecencyPolicy:
         self._order = order
         self._lead += lead
         self._reuses += reuses
+        if reuses and self._walk < self._walk_end:
+            self._walk_rows(reuses * self._walk_step)
         if self._reuses >= capacity:
             self._tune()
 
@@ -356,12 +468,17 @@ class FrecencyPolicy:
                 heappush(heap, items[row])
             return None
         ghosts = self._ghosts
+        spare_items = self._spare_items
         keys = []
         for row in victims:
             key = items[row][2]
             items[row] = _GHOST_ITEM
+            if spare_items is not None:
+                spare_items[row] = _GHOST_ITEM
             ghosts[key] = None
             keys.append(key)
+        if spare_items is not None:
+            self._drop_dead_spares(2 * n + 2)
         while len(ghosts) > self.max_ghosts:
             self._forget(ghosts.popitem(last=False)[0])
         return keys
@@ -373,6 +490,12 @@ class FrecencyPolicy:
         self._next_tune = self.stored + self.capacity
         if self._lead < 0:
             self._halve_uses()
+        elif (
+            self._spare_items is not None
+            and len(self._spare_heap) + len(self._spare_fresh)
+            > 2 * (len(self._seen) - len(self._ghosts))  # twice the cached keys
+        ):
+            self._start_walk()  # drop the spare items of keys long gone
         self._reuses = self._lead = 0
         distances = self._distances
         half = sum(distances) / 2
@@ -392,13 +515,26 @@ class FrecencyPolicy:
         back (:meth:`_requeue`)."""
         self._halvings += 1
         self._exponent += 1
+        spare_items = self._spare_items
         if self._exponent >= self.RESCALE_HALVINGS:
             exponent, uses = self._exponent, self._uses
             for row in self._seen.values():
                 uses[row] = ldexp(uses[row], -exponent)
             self._exponent = 0
+        elif spare_items is not None:
+            # The spare queues are those of this scale: swapped in (the walk is done
+            # unless tunings came closer than the class says; then it ends here).
+            self._walk_rows(self._walk_end - self._walk)
+            self._scale = ldexp(1.0, self._exponent)
+            self._items, self._spare_items = spare_items, self._items
+            self._heap, self._fresh = self._spare_heap, self._spare_fresh
+            self.parked.clear()  # every cached key is queued in the spare heap
+            self._start_walk()
+            return
         self._scale = ldexp(1.0, self._exponent)
         self._requeue()
+        if spare_items is not None:
+            self._start_walk()
 
     def _requeue(self) -> None:
         """Queue every cached key anew with its scaled score, in one heap: after a
