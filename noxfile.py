@@ -471,7 +471,8 @@ def _make_test_session(pkg: Package) -> None:
         install_packages(session, [pkg.dist], *TEST_DEPS, with_vllm=_needs_vllm(pkg), wheels=wheels)
         if not _needs_vllm(pkg):  # the library's own dependencies must not bring vLLM
             session.run("python", "-c", _NO_VLLM)
-        _pytest(session, _test_paths([pkg]), env=REQUIRE_PREBUILT if pkg.compiled else None)
+        env = REQUIRE_PREBUILT if pkg.compiled else None
+        _pytest(session, _test_paths([pkg]), env=env, parallel=True)
         if pkg.compiled and pkg.dist in WHEEL_BENCHMARKS:
             session.run(*WHEEL_BENCHMARKS[pkg.dist])
 
