@@ -233,8 +233,11 @@ def test_frecency_halving_swaps_in_queues_built_ahead() -> None:
     assert policy._halvings == 1
     assert (policy._heap, policy._fresh) == spare and policy._heap is spare[0]
     assert policy._walk == 0 and policy._walk_end == 64, "the next walk starts"
+    assert sum(map(len, policy._graves)) == 63, "the old queues wait to be freed"
     after = policy.keys_in_eviction_order()
     assert policy.evict(8, lambda key: True) == after[:8]
+    policy.insert(["k64"])
+    assert not policy._graves, "freed a slice at a time by the calls that store"
 
 
 def test_frecency_built_ahead_evicts_as_queueing_anew() -> None:

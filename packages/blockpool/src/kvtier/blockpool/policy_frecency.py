@@ -7,7 +7,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from heapq import heapify, heappop, heappush
 from math import ldexp
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvtier.blockpool.policy_base import NO_KEY, Key
 
@@ -99,6 +99,7 @@ class FrecencyPolicy:
         "_free",
         "_fresh",
         "_ghosts",
+        "_graves",
         "_halvings",
         "_heap",
         "_items",
@@ -131,6 +132,9 @@ class FrecencyPolicy:
     RESCALE_HALVINGS = 512
     """Halvings after which the scaled uses and scores are scaled back (``2 ** 512``
     times a clock of ``2 ** 400`` stays far from the largest float)."""
+    GRAVE_SLICE = 4096
+    """Items of queues swapped out freed per call that stores or reuses (freeing
+    100,000 at once takes about a millisecond)."""
     INCREMENTAL_KEYS = 4096
     """Capacity from which the queues of a halving are built ahead (see the class):
     below it, queueing every cached key anew takes a few milliseconds at most."""
@@ -179,6 +183,7 @@ class FrecencyPolicy:
         self._spare_fresh: deque[tuple[float, int, Key]] = deque()
         self._walk = self._walk_end = 0
         self._walk_step = 1
+        self._graves: list[list[Any] | deque[Any]] = []  # queues swapped out, to free
 
     def _new(self, clock: float, order: int, item: tuple[float, int, Key]) -> int:
         """A new entry's row: no uses, last used now (``clock``, ``order``), queued as
@@ -258,13 +263,32 @@ class FrecencyPolicy:
             fresh.popleft()
             most -= 1
 
-    def _start_walk(self) -> None:
-        """Build the spare queues anew, from the next stored block or reuse on."""
+    def _start_walk(self, *, bury: bool) -> None:
+        """Build the spare queues anew, from the next stored block or reuse on; with
+        ``bury``, the spare queues left are freed a slice at a time."""
+        if bury:
+            self._graves += [q for q in (self._spare_heap, self._spare_fresh) if q]
         self._spare_heap = []
         self._spare_fresh = deque()
         self._walk = 0
         self._walk_end = len(self._items)
         self._walk_step = -(-self._walk_end // self.capacity)
+
+    def _free_graves(self) -> None:
+        """Free ``GRAVE_SLICE`` items of the queues swapped out."""
+        graves, most = self._graves, self.GRAVE_SLICE
+        while graves and most > 0:
+            queue = graves[-1]
+            n = min(most, len(queue))
+            if isinstance(queue, list):
+                del queue[len(queue) - n :]
+            else:
+                pop = queue.pop
+                for _ in range(n):
+                    pop()
+            most -= n
+            if not queue:
+                graves.pop()
 
     def _forget(self, key: Key) -> None:
         """Drop ``key``'s entry (KeyError if it has none); its row is used again."""
@@ -315,6 +339,8 @@ class FrecencyPolicy:
         self.clock += len(keys) / self.tau
         if self._walk < self._walk_end:
             self._walk_rows(len(keys) * self._walk_step)
+        if self._graves:
+            self._free_graves()
         if self.stored >= self._next_tune:
             self._tune()
 
@@ -347,6 +373,8 @@ class FrecencyPolicy:
                 self._walk_rows(self._walk_step)
             if self.stored >= self._next_tune:
                 self._tune()
+        if self._graves:
+            self._free_graves()
 
     def touch(self, keys: Sequence[Key]) -> None:
         """``keys`` were used, head first: each counts one use. vLLM before 0.32 calls
@@ -392,6 +420,8 @@ class FrecencyPolicy:
         self._reuses += reuses
         if reuses and self._walk < self._walk_end:
             self._walk_rows(reuses * self._walk_step)
+        if self._graves:
+            self._free_graves()
         if self._reuses >= capacity:
             self._tune()
 
@@ -495,7 +525,7 @@ class FrecencyPolicy:
             and len(self._spare_heap) + len(self._spare_fresh)
             > 2 * (len(self._seen) - len(self._ghosts))  # twice the cached keys
         ):
-            self._start_walk()  # drop the spare items of keys long gone
+            self._start_walk(bury=True)  # drop the spare items of keys long gone
         self._reuses = self._lead = 0
         distances = self._distances
         half = sum(distances) / 2
@@ -527,14 +557,15 @@ class FrecencyPolicy:
             self._walk_rows(self._walk_end - self._walk)
             self._scale = ldexp(1.0, self._exponent)
             self._items, self._spare_items = spare_items, self._items
+            self._graves += [q for q in (self._heap, self._fresh) if q]
             self._heap, self._fresh = self._spare_heap, self._spare_fresh
             self.parked.clear()  # every cached key is queued in the spare heap
-            self._start_walk()
+            self._start_walk(bury=False)
             return
         self._scale = ldexp(1.0, self._exponent)
         self._requeue()
         if spare_items is not None:
-            self._start_walk()
+            self._start_walk(bury=True)
 
     def _requeue(self) -> None:
         """Queue every cached key anew with its scaled score, in one heap: after a
