@@ -240,6 +240,32 @@ def test_frecency_halving_swaps_in_queues_built_ahead() -> None:
     assert not policy._graves, "freed a slice at a time by the calls that store"
 
 
+class _SmallGraves(_AheadFrecency):
+    __slots__ = ()
+    GRAVE_SLICE = 4
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_frecency_frees_the_queues_swapped_out_by_the_next_tuning(batch: int) -> None:
+    """The queues a halving swaps out are freed as calls store, however many blocks a
+    call stores (an fs tier indexes a poll's files in one call): what waits to be freed
+    stays within a halving's worth."""
+    policy, next_key = _SmallGraves(64), 0
+    for _ in range(40):
+        stored = 0
+        while stored < 64:
+            keys = list(range(next_key, next_key + batch))
+            next_key += batch
+            over = len(policy._seen) - len(policy._ghosts) + batch - 64
+            if over > 0:
+                assert policy.evict(over, lambda key: True) is not None
+            policy._lead = -1  # LRU would have hit more: each tuning halves
+            policy.insert_each(keys)
+            stored += batch
+        assert sum(map(len, policy._graves)) <= 2 * 64, policy._halvings
+    assert policy._halvings >= 40
+
+
 def test_frecency_built_ahead_evicts_as_queueing_anew() -> None:
     """Queues built ahead give the victims of queueing every key anew at each halving,
     also where tunings come closer than ``capacity`` stored blocks apart (the walk then

@@ -77,6 +77,8 @@ class FrecencyPolicy:
     spare queues hold twice the cached keys); tunings are ``capacity`` stored blocks or
     reuses apart, and the walk takes ``ceil(rows / capacity)`` rows a block or reuse,
     so it has gone over every row by the next one (a halving called sooner ends it).
+    The queues swapped out are freed as calls store or reuse, by the next tuning too.
+    The halving that scales the uses back (every ``RESCALE_HALVINGS``) is one pass.
 
     A use writes its key's entry and nothing else: each cached key is queued once, with
     the scaled score it had when queued (a lower bound, as scores only grow between
@@ -99,6 +101,7 @@ class FrecencyPolicy:
         "_free",
         "_fresh",
         "_ghosts",
+        "_grave_step",
         "_graves",
         "_halvings",
         "_heap",
@@ -133,8 +136,9 @@ class FrecencyPolicy:
     """Halvings after which the scaled uses and scores are scaled back (``2 ** 512``
     times a clock of ``2 ** 400`` stays far from the largest float)."""
     GRAVE_SLICE = 4096
-    """Items of queues swapped out freed per call that stores or reuses (freeing
-    100,000 at once takes about a millisecond)."""
+    """Items of the queues swapped out freed at least per call that stores or reuses
+    (freeing 100,000 at once takes about a millisecond); more where the call stores
+    or reuses more, so that all are freed by the next tuning."""
     INCREMENTAL_KEYS = 4096
     """Capacity from which the queues of a halving are built ahead (see the class):
     below it, queueing every cached key anew takes a few milliseconds at most."""
@@ -184,6 +188,7 @@ class FrecencyPolicy:
         self._walk = self._walk_end = 0
         self._walk_step = 1
         self._graves: list[list[Any] | deque[Any]] = []  # queues swapped out, to free
+        self._grave_step = 1  # their items to free per stored block or reuse
 
     def _new(self, clock: float, order: int, item: tuple[float, int, Key]) -> int:
         """A new entry's row: no uses, last used now (``clock``, ``order``), queued as
@@ -267,16 +272,23 @@ class FrecencyPolicy:
         """Build the spare queues anew, from the next stored block or reuse on; with
         ``bury``, the spare queues left are freed a slice at a time."""
         if bury:
-            self._graves += [q for q in (self._spare_heap, self._spare_fresh) if q]
+            self._bury(self._spare_heap, self._spare_fresh)
         self._spare_heap = []
         self._spare_fresh = deque()
         self._walk = 0
         self._walk_end = len(self._items)
         self._walk_step = -(-self._walk_end // self.capacity)
 
-    def _free_graves(self) -> None:
-        """Free ``GRAVE_SLICE`` items of the queues swapped out."""
-        graves, most = self._graves, self.GRAVE_SLICE
+    def _bury(self, *queues: list[Any] | deque[Any]) -> None:
+        """Free ``queues`` as calls store or reuse (:meth:`_free_graves`)."""
+        graves = self._graves
+        graves += [q for q in queues if q]
+        self._grave_step = -(-sum(map(len, graves)) // self.capacity)
+
+    def _free_graves(self, units: int) -> None:
+        """Free items of the queues swapped out: ``GRAVE_SLICE``, or as many per stored
+        block or reuse of the call (``units``) as free them all within ``capacity``."""
+        graves, most = self._graves, max(self.GRAVE_SLICE, units * self._grave_step)
         while graves and most > 0:
             queue = graves[-1]
             n = min(most, len(queue))
@@ -340,7 +352,7 @@ class FrecencyPolicy:
         if self._walk < self._walk_end:
             self._walk_rows(len(keys) * self._walk_step)
         if self._graves:
-            self._free_graves()
+            self._free_graves(len(keys))
         if self.stored >= self._next_tune:
             self._tune()
 
@@ -374,7 +386,7 @@ class FrecencyPolicy:
             if self.stored >= self._next_tune:
                 self._tune()
         if self._graves:
-            self._free_graves()
+            self._free_graves(len(keys))
 
     def touch(self, keys: Sequence[Key]) -> None:
         """``keys`` were used, head first: each counts one use. vLLM before 0.32 calls
@@ -421,7 +433,7 @@ class FrecencyPolicy:
         if reuses and self._walk < self._walk_end:
             self._walk_rows(reuses * self._walk_step)
         if self._graves:
-            self._free_graves()
+            self._free_graves(reuses)
         if self._reuses >= capacity:
             self._tune()
 
@@ -557,7 +569,7 @@ class FrecencyPolicy:
             self._walk_rows(self._walk_end - self._walk)
             self._scale = ldexp(1.0, self._exponent)
             self._items, self._spare_items = spare_items, self._items
-            self._graves += [q for q in (self._heap, self._fresh) if q]
+            self._bury(self._heap, self._fresh)
             self._heap, self._fresh = self._spare_heap, self._spare_fresh
             self.parked.clear()  # every cached key is queued in the spare heap
             self._start_walk(bury=False)
