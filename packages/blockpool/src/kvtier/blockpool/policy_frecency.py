@@ -231,7 +231,8 @@ class FrecencyPolicy:
 
     def _walk_rows(self, n: int) -> None:
         """Walk ``n`` rows more (see the class): each cached key's row queues it in the
-        spare heap, each other row gets no spare item."""
+        spare heap. (A row of a ghost or of no key has no spare item already: a key
+        leaves both queues' rows as it becomes a ghost or is forgotten.)"""
         start = self._walk
         end = min(self._walk_end, start + n)
         self._walk = end
@@ -241,9 +242,7 @@ class FrecencyPolicy:
         heap, next_scale = self._spare_heap, 2.0 * self._scale
         for row in range(start, end):
             item = items[row]
-            if item is _GHOST_ITEM:
-                spare_items[row] = _GHOST_ITEM
-            else:
+            if item is not _GHOST_ITEM:
                 spare = (uses[row] + next_scale * clocks[row], orders[row], item[2])
                 heappush(heap, spare)
                 spare_items[row] = spare
