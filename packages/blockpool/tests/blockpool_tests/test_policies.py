@@ -174,17 +174,24 @@ def test_frecency_halves_uses_when_lru_would_have_hit_more() -> None:
     assert _entry(policy, "old").uses == 2
 
 
+def _older_half_used(policy: FrecencyPolicy) -> list[str]:
+    """64 keys stored in turn (clocks rising), the older half used once, then the
+    lowest (k32) evicted; the keys."""
+    keys = [f"k{i:02}" for i in range(64)]
+    for i, key in enumerate(keys):
+        policy.insert([key])
+        if i < 32:
+            policy.touch([key])
+    assert policy.evict(1, lambda key: True) == ["k32"]
+    return keys
+
+
 def test_frecency_halving_leaves_every_queued_score_exact() -> None:
     """After a halving every cached key is queued with its score as halved, so the next
     eviction pushes nothing back (one key popped and pushed at a time, a pool of
     100,000 keys took 0.2 s there), and it takes the lowest scores as halved."""
     policy = FrecencyPolicy(64)
-    keys = [f"k{i:02}" for i in range(64)]
-    for i, key in enumerate(keys):  # clocks rising; the older half used once
-        policy.insert([key])
-        if i < 32:
-            policy.touch([key])
-    assert policy.evict(1, lambda key: True) == ["k32"]
+    keys = _older_half_used(policy)
     before = policy.keys_in_eviction_order()
     policy._lead = -1  # LRU would have hit more reuses: the next tuning halves
     policy._tune()
@@ -221,12 +228,7 @@ def test_frecency_halving_swaps_in_queues_built_ahead() -> None:
     of the next scale, built a few rows per stored block between tunings; the keys
     used since are queued anew as evictions reach them."""
     policy = _AheadFrecency(64)
-    keys = [f"k{i:02}" for i in range(64)]
-    for i, key in enumerate(keys):  # clocks rising; the older half used once
-        policy.insert([key])
-        if i < 32:
-            policy.touch([key])
-    assert policy.evict(1, lambda key: True) == ["k32"]
+    _older_half_used(policy)
     spare = policy._spare_heap, policy._spare_fresh
     policy._lead = -1  # the next tuning halves
     policy._tune()
