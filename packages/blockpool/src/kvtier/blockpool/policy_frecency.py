@@ -223,8 +223,10 @@ class FrecencyPolicy:
         return len(self._items) - 1
 
     def _spare(self, row: int, key: Key) -> None:
-        """Queue ``key`` (row ``row``, cached) in the spare heap with its score at the
-        next scale."""
+        """Queue ``key`` (row ``row``, cached again) in the spare heap with its score at
+        the next scale, unless the walk has its row still to go over."""
+        if self._walk <= row < self._walk_end:
+            return
         spare = (self._uses[row] + 2.0 * self._scale * self._clocks[row], self._orders[row], key)
         heappush(self._spare_heap, spare)
         self._spare_items[row] = spare  # type: ignore[index]
@@ -343,7 +345,7 @@ class FrecencyPolicy:
                 self._restored[row] = True  # stored again: its next use was a miss
             item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
             heappush(heap, item)
-            if self._spare_items is not None and not self._walk <= row < self._walk_end:
+            if self._spare_items is not None:
                 self._spare(row, key)
         self._order = order
         self.stored += len(keys)
@@ -376,7 +378,7 @@ class FrecencyPolicy:
                     self._restored[row] = True  # stored again: its next use was a miss
                 item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
                 heappush(self._heap, item)
-                if self._spare_items is not None and not self._walk <= row < self._walk_end:
+                if self._spare_items is not None:
                     self._spare(row, key)
             self.stored += 1
             self.clock = clock + 1 / self.tau
