@@ -32,8 +32,7 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING":
 def run_tp2_script(module: str, tmp_path: Path, marker: str) -> None:
     """Run a TP 2 engine script (two worker processes, one core per rank) and check its
     marker."""
-    env = TP2_ENV
-    out = run_script(__file__, module, str(tmp_path / "fs"), env=env, timeout=900, cwd=tmp_path)
+    out = run_script(__file__, module, str(tmp_path / "fs"), env=TP2_ENV, timeout=900, cwd=tmp_path)
     tail = (out.stdout + out.stderr)[-4000:]
     assert out.returncode == 0, tail
     assert marker in out.stdout, tail
