@@ -322,9 +322,11 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
     def complete_load(self, keys: Sequence[bytes]) -> None:
         self.pool.release(keys, Hold.DEVICE_LOAD)
         if self._fresh:
-            for key in keys:
-                if self._fresh.pop(key, None) is not None:
-                    self.pool.release([key], Hold.PROMOTION)  # loaded: its hold ends
+            fresh = self._fresh
+            loaded = [key for key in keys if fresh.pop(key, None) is not None]
+            if loaded:
+                self.pool.release(loaded, Hold.PROMOTION)  # loaded: their holds end
+                for key in loaded:
                     self._leave_room(key)
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -448,9 +450,10 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
             expired = self._expire(self._fresh)
             if expired:
                 busy = True
-            for key in expired:
-                self.pool.release([key], Hold.PROMOTION)
-                self._leave_room(key)
+                # (one call for all: a burst of promotions ahead expires together)
+                self.pool.release(expired, Hold.PROMOTION)
+                for key in expired:
+                    self._leave_room(key)
         if self._pass_req is not None or self._pass_held is not None or self._pass_keys:
             self._end_pass()
             busy = True
