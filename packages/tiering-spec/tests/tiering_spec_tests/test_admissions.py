@@ -134,7 +134,14 @@ def _ids(values: Any) -> list[int]:
     return [int(v) for v in (values if values is not None else ())]
 
 
-def _state(scheduler: Any, req_id: str) -> dict[str, Any]:
+def _state(scheduler: Any, req_id: str, held: list[float] | None = None) -> dict[str, Any]:
+    """What an admission call leaves behind; ``held``: the delay samples kvtier's call
+    held back (observed here as vLLM's call observes them at once)."""
+    stats = scheduler._connector_stats
+    if held:
+        stats = copy.deepcopy(stats)
+        for delay in held:
+            stats.observe_histogram(scheduler._kvtier_admissions.sync_delay, delay)
     return {
         "request": _request(scheduler, req_id),
         "load_jobs": {
@@ -156,7 +163,7 @@ def _state(scheduler: Any, req_id: str) -> dict[str, Any]:
         "loading": None
         if scheduler._chunks_being_loaded is None
         else sorted(scheduler._chunks_being_loaded),
-        "stats": _histograms(scheduler._connector_stats),
+        "stats": _histograms(stats),
         "events": sorted(
             (k, repr(v))
             for k, v in getattr(scheduler._events_tracker, "_pending_event_metadata", {}).items()
@@ -171,6 +178,7 @@ class _Shadow:
         self.scheduler = scheduler
         self.answers: dict[Any, Any] = {}  # each key's last lookup answer
         self.lookups = self.hits = self.loads = self.resumed = 0
+        self.held = 0  # delay samples of memo answers held back (see admissions)
         module = __import__(type(scheduler).__module__, fromlist=["LookupResult"])
         self.results = module.LookupResult
         manager = scheduler.manager
@@ -215,12 +223,16 @@ class _Shadow:
             self.resumed += bool(status.group_states[0].block_ids)
             self.keying += not status.transfer_jobs  # (vLLM makes its keys then)
             twin = _twin(scheduler, request.request_id)
+            admit = scheduler._kvtier_admissions
+            held_before = len(admit.held)
             answer = ours(request, num_computed_tokens, *args, **kwargs)
+            held = admit.held[held_before:]
+            self.held += len(held)
             twin.manager = replay = _Replay(self.answers, [])
             theirs = vllm_matched(twin, request, num_computed_tokens, *args, **kwargs)
             assert answer == theirs, (request.request_id, answer, theirs)
             req_id = request.request_id
-            assert _state(scheduler, req_id) == _state(twin, req_id)
+            assert _state(scheduler, req_id, held) == _state(twin, req_id)
             self.lookups += 1
             self.hits += bool(answer[0])
             assert replay.asked or not answer[0]
@@ -350,6 +362,7 @@ def test_kvtier_admits_as_vllm_admits(
         assert shadow.keyed > shadow.keying, "arrivals' keys must have been made"
     if case == "preemptions":
         assert shadow.resumed > 0, "a preempted request must have been looked up again"
+        assert shadow.held > 0, "a memo answer's delay sample must have been held"
 
 
 def test_only_the_code_it_was_written_against_is_replaced(model: Path) -> None:

@@ -101,6 +101,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         )
         self._kvtier_worker_spec: _KvtierSpec | None = None
         self._kvtier_manager: KvtierOffloadingManager | None = None
+        self._kvtier_admissions: admissions.Admissions | None = None
         self._chunk_hashes = 1  # block hashes per offloaded chunk (the traffic record)
         self._kvtier_events = True
         self._store_failure_logged = False
@@ -139,6 +140,7 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
             # vLLM's admission calls are written for every model; a plain one is
             # admitted by kvtier's own (before the changes below wrap them).
             admissions.install(scheduler)
+            self._kvtier_admissions = getattr(scheduler, "_kvtier_admissions", None)
             # vLLM updates keys and plans stores for every scheduled request each
             # step; only requests with a new chunk need it.
             store_planning.speed_up(scheduler)
@@ -343,12 +345,16 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
         # Every rank's metadata is of this type, so aggregation keeps the failures.
         return KvtierWorkerMetadata.of(meta, set(worker.take_failed_stores()))
 
-    # -- metrics before vLLM 0.24 ---------------------------------------------------
+    # -- metrics --------------------------------------------------------------------
 
-    if not compat.SPEC_METRICS:  # (elsewhere vLLM's, asked on both sides every step)
-
-        def get_kv_connector_stats(self) -> Any:
-            return compat.legacy_metrics().connector_stats(self, super().get_kv_connector_stats)
+    def get_kv_connector_stats(self) -> Any:  # (asked on both sides every step)
+        admit = self._kvtier_admissions
+        if admit is not None and admit.held:
+            admit.release_held()  # (delay samples of memo answers, see admissions)
+        if compat.SPEC_METRICS:
+            return super().get_kv_connector_stats()
+        # Before vLLM 0.24: kvtier reports its metrics itself.
+        return compat.legacy_metrics().connector_stats(self, super().get_kv_connector_stats)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
@@ -406,6 +412,9 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
                         manager.promote_ahead(keys, context)
 
     def _finished(self, request: Any) -> None:
+        admit = self._kvtier_admissions
+        if admit is not None and admit.held:
+            admit.release_held(now=True)  # the engine may stop stepping soon
         manager = self._kvtier_manager
         if manager is not None:
             manager.emit_metrics_next()

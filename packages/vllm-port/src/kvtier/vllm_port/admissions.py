@@ -27,6 +27,14 @@ kvtier's other scheduler changes stay in front of them as before: the lookup mem
 The lookup asks the scheduler's ``_maximal_prefix_lookup`` (kvtier's one-call lookup
 where :mod:`kvtier.vllm_port.lookups` installed it), which records the KV events vLLM's
 loop records.
+
+One thing differs in time, not in content: the lookup's delay sample (vLLM's
+``LOOKUP_SYNC_DELAY`` histogram) of an ask the lookup memo answered (a waiting request
+asked about again, a third of the steps of a busy engine) is held while the
+scheduler's connector stats carry nothing else, and observed into them with the next
+stats that carry something, at the latest ``HOLD_STEPS`` stats later or when a request
+finishes (:meth:`Admissions.release_held`). Observed at once, it made vLLM hand out and
+merge a stats object on each such step, for one sample.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ import time
 from typing import Any
 
 from kvtier.vllm_port import store_jobs
+
+# Stats asked for (once a step) at most, while a memo answer's delay sample is held.
+HOLD_STEPS = 32
 
 # sha256 of the sources (see :func:`source_digest`) these functions reproduce.
 KNOWN_SOURCES = frozenset(
@@ -146,6 +157,9 @@ class Admissions:
         self.job_cls = module.TransferJob
         self.device_spec = module.GPULoadStoreSpec
         self.admitted = 0  # requests looked up here (for tests)
+        # Delay samples of memo answers not observed yet, and stats asked for since.
+        self.held: list[float] = []
+        self.held_steps = 0
 
     # -- get_num_new_matched_tokens ---------------------------------------------------
 
@@ -170,9 +184,18 @@ class Admissions:
             hit = 0
         else:
             stats = scheduler._connector_stats
+            repeated = getattr(scheduler, "kvtier_repeated_lookups", None)
             start = time.monotonic()
             hit = scheduler._lookup(status, max_num_new_tokens)
-            stats.observe_histogram(self.sync_delay, time.monotonic() - start)
+            delay = time.monotonic() - start
+            if (
+                repeated is not None
+                and scheduler.kvtier_repeated_lookups != repeated
+                and stats.is_empty()
+            ):
+                self.held.append(delay)  # a memo answer's, alone in the stats: held
+            else:
+                stats.observe_histogram(self.sync_delay, delay)
             if hit is None:
                 if status.deferred_lookup_start_time is None:
                     status.deferred_lookup_start_time = start
@@ -183,6 +206,20 @@ class Admissions:
                     stats.observe_histogram(self.async_delay, time.monotonic() - began)
         group.num_hit_chunks = (num_computed_tokens + (hit or 0)) // self.tokens_per_chunk
         return hit, bool(hit)
+
+    def release_held(self, now: bool = False) -> None:
+        """Called before vLLM takes the scheduler's connector stats (once a step), and
+        with ``now`` when a request finishes: observe the held delay samples (see the
+        module) where the stats carry something already, ``HOLD_STEPS`` calls after
+        the first was held, or ``now``."""
+        if not self.held:
+            return
+        stats = self.scheduler._connector_stats
+        self.held_steps += 1
+        if now or self.held_steps >= HOLD_STEPS or not stats.is_empty():
+            held, self.held, self.held_steps = self.held, [], 0
+            for delay in held:
+                stats.observe_histogram(self.sync_delay, delay)
 
     def update_keys(self, status: Any) -> None:
         """vLLM's ``RequestOffloadState.update_offload_keys`` of ``status``: a key for
@@ -336,4 +373,12 @@ def admitted(scheduler: Any) -> int | None:
     return None if admit is None else admit.admitted
 
 
-__all__ = ["KNOWN_SOURCES", "Admissions", "admitted", "applies", "install", "source_digest"]
+__all__ = [
+    "HOLD_STEPS",
+    "KNOWN_SOURCES",
+    "Admissions",
+    "admitted",
+    "applies",
+    "install",
+    "source_digest",
+]
