@@ -33,6 +33,25 @@ class Manager:
         self.counts[1] += moves[1]
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["state", "version-and-counts"])
+def split_state(request: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test with a manager that answers ``lookup_state()`` alone, and with one that
+    also gives its two parts apart (kvtier's: the memo then reads the version alone
+    when it answers an ask)."""
+    if not request.param:
+        return
+
+    def lookup_version(self: Manager) -> Any:
+        self.state_reads += 1
+        return ("pool", self.changes) if self.memo_ok else None
+
+    def lookup_counts(self: Manager) -> Any:
+        return tuple(self.counts)
+
+    monkeypatch.setattr(Manager, "lookup_version", lookup_version, raising=False)
+    monkeypatch.setattr(Manager, "lookup_counts", lookup_counts, raising=False)
+
+
 class Scheduler:
     """vLLM's offloading scheduler, as far as ``_lookup`` goes: it asks the manager
     about every offload key past what the device computed and answers the hit."""

@@ -172,6 +172,15 @@ class KvtierOffloadingManager(OffloadingManager):
             return None
         return (version, self.side.offload.no_loads_reason), core.lookup_counts()
 
+    def lookup_version(self) -> object | None:
+        """:meth:`lookup_state`'s first part alone (the memo's check of an ask)."""
+        version = self.core.lookup_version()
+        return None if version is None else (version, self.side.offload.no_loads_reason)
+
+    def lookup_counts(self) -> tuple[int, ...]:
+        """:meth:`lookup_state`'s second part alone."""
+        return self.core.lookup_counts()
+
     def recount_lookups(self, moves: Sequence[int]) -> None:
         """Lookups answered again without asking, counted as asked."""
         self._stats_settled = False

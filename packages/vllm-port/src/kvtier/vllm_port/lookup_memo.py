@@ -17,12 +17,13 @@ last ask for the same request:
 * the request's state object, the tokens it has and has computed on the device, the
   cap on new tokens asked with, its cap on tokens to load and its count of offload keys
   per KV cache group (vLLM's lookup reads nothing else of the request);
-* the manager's answer to ``lookup_state()``, a value that is equal exactly when its
-  lookups answer the same (kvtier's: the host pool's and each fs index's change counts;
-  a lookup that promotes changes the pool, so the next ask goes to vLLM's). A manager
-  that answers None (kvtier's with a mooncake tier, whose answers come from background
-  probes, or with a key refused for a while) is asked every time, and so is one
-  without the method.
+* the manager's answer to ``lookup_state()`` (or its first part alone, from
+  ``lookup_version()`` where the manager has it and ``lookup_counts()``), a value that
+  is equal exactly when its lookups answer the same (kvtier's: the host pool's and
+  each fs index's change counts; a lookup that promotes changes the pool, so the next
+  ask goes to vLLM's). A manager that answers None (kvtier's with a mooncake tier,
+  whose answers come from background probes, or with a key refused for a while) is
+  asked every time, and so is one without the method.
 
 A request's first ask goes to vLLM's lookup with nothing read or kept (most requests
 are admitted on their first ask); the memo keeps its second ask's answer and answers
@@ -70,6 +71,12 @@ def install(scheduler: Any) -> bool:
     ):
         return False
     vllm_lookup = scheduler._lookup
+    # A manager that gives the two parts of lookup_state() apart: the version alone
+    # answers an ask from the memo (the counts are read only around vLLM's lookup).
+    version_of = getattr(manager, "lookup_version", None)
+    counts_of = getattr(manager, "lookup_counts", None)
+    if not callable(version_of) or not callable(counts_of):
+        version_of = counts_of = None
     tracker = getattr(scheduler, "_events_tracker", None)
     # request id -> (its state object, what the lookup read, the answer, counter moves)
     memos: dict[str, tuple[Any, tuple[Any, ...], int, tuple[int, ...]]] = {}
@@ -86,10 +93,16 @@ def install(scheduler: Any) -> bool:
                 asked.clear()
             asked.add(req_id)
             return vllm_lookup(req_status, max_num_new_tokens)
-        before = state()
-        if before is None:
-            return vllm_lookup(req_status, max_num_new_tokens)
-        version, counts = before
+        counts: tuple[int, ...] | None = None
+        if version_of is not None:
+            version = version_of()
+            if version is None:
+                return vllm_lookup(req_status, max_num_new_tokens)
+        else:
+            before = state()
+            if before is None:
+                return vllm_lookup(req_status, max_num_new_tokens)
+            version, counts = before
         req = req_status.req
         read = (
             max_num_new_tokens,
@@ -105,16 +118,22 @@ def install(scheduler: Any) -> bool:
             req_status.partial_tail_boundary = None  # (as vLLM's sets it without tails)
             scheduler.kvtier_repeated_lookups += 1
             return memo[2]
+        if counts_of is not None:
+            counts = counts_of()
         hit = vllm_lookup(req_status, max_num_new_tokens)
-        after = state()
-        if hit is None or after is None:
+        if counts_of is not None:
+            after = None if version_of() is None else counts_of()  # type: ignore[misc]
+        else:
+            state_after = state()
+            after = None if state_after is None else state_after[1]
+        if hit is None or after is None or counts is None:
             memos.pop(req_id, None)  # pending: ask again
             return hit
         # (A lookup that changed the cache, a promotion, left another state: the next
         # ask reads that one and goes to vLLM's lookup.)
         if len(memos) >= MAX_MEMOS:
             memos.clear()
-        memos[req_id] = (req_status, read, hit, tuple(a - b for a, b in zip(after[1], counts)))
+        memos[req_id] = (req_status, read, hit, tuple(a - b for a, b in zip(after, counts)))
         return hit
 
     scheduler._lookup = _lookup
