@@ -352,6 +352,8 @@ def test_kvtier_admits_as_vllm_admits(
                 p.extra_args = {"kv_transfer_params": {"max_load_tokens": cap}}
             params.append(p)
         llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        # Every request finished: the connector has observed each held delay sample.
+        assert not scheduler._kvtier_admissions.held
     finally:
         free_llm(llm)
     (shadow,) = shadows

@@ -46,6 +46,7 @@ def split_state(request: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         return ("pool", self.changes) if self.memo_ok else None
 
     def lookup_counts(self: Manager) -> Any:
+        self.count_reads = getattr(self, "count_reads", 0) + 1
         return tuple(self.counts)
 
     monkeypatch.setattr(Manager, "lookup_version", lookup_version, raising=False)
@@ -238,3 +239,18 @@ def test_a_scheduler_of_another_shape_keeps_its_lookup(shape: str) -> None:
         scheduler.manager = SimpleNamespace()
     assert not lookup_memo.install(scheduler)
     assert "_lookup" not in vars(scheduler)
+
+
+def test_an_answer_from_the_memo_reads_no_counters(split_state: None) -> None:
+    """With a manager that gives its version and counters apart, an ask the memo answers
+    reads the version alone."""
+    scheduler = installed()
+    if not hasattr(scheduler.manager, "lookup_counts"):
+        pytest.skip("the manager answers lookup_state() alone")
+    req = status()
+    asked_twice(scheduler, req)
+    reads = scheduler.manager.count_reads
+    for _ in range(3):
+        assert scheduler._lookup(req, None) == 32
+    assert scheduler.kvtier_repeated_lookups == 3
+    assert scheduler.manager.count_reads == reads

@@ -31,10 +31,12 @@ loop records.
 One thing differs in time, not in content: the lookup's delay sample (vLLM's
 ``LOOKUP_SYNC_DELAY`` histogram) of an ask the lookup memo answered (a waiting request
 asked about again, a third of the steps of a busy engine) is held while the
-scheduler's connector stats carry nothing else, and observed into them with the next
-stats that carry something, at the latest ``HOLD_STEPS`` stats later or when a request
-finishes (:meth:`Admissions.release_held`). Observed at once, it made vLLM hand out and
-merge a stats object on each such step, for one sample.
+scheduler's own connector stats (``_connector_stats``) carry nothing else, and observed
+into them once they carry something, at the latest ``HOLD_STEPS`` stats later or when a
+request finishes (:meth:`Admissions.release_held`, which the connector calls before vLLM
+takes those stats, and when a request finishes: a caller of :func:`install` with the
+lookup memo must do the same, or the held samples are never reported). Observed at
+once, it made vLLM hand out and merge a stats object on each such step, for one sample.
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ def _suffix(group_idx: int) -> bytes:
 def install(scheduler: Any) -> bool:
     """Put kvtier's ``get_num_new_matched_tokens``, ``update_state_after_alloc`` and
     ``_lookup`` on ``scheduler`` where they apply (see the module); whether they were.
-    Call it before anything wraps those methods."""
+    Call it before anything wraps those methods, and call the installed
+    :meth:`Admissions.release_held` (``scheduler._kvtier_admissions``) as the module
+    says."""
     if not applies(scheduler):
         return False
     admit = Admissions(scheduler)
