@@ -166,11 +166,8 @@ class KvtierOffloadingManager(OffloadingManager):
         the same, and the counters a lookup moves (:meth:`TierManager.lookup_version`,
         :meth:`TierManager.lookup_counts`); None where a lookup may answer otherwise when
         asked again (a store tier, a refused key, a probe pending)."""
-        core = self.core
-        version = core.lookup_version()
-        if version is None:
-            return None
-        return (version, self.side.offload.no_loads_reason), core.lookup_counts()
+        version = self.lookup_version()
+        return None if version is None else (version, self.core.lookup_counts())
 
     def lookup_version(self) -> object | None:
         """:meth:`lookup_state`'s first part alone (the memo's check of an ask)."""

@@ -37,6 +37,7 @@ sliding-window groups and no partial recurrent tails (where ``_lookup`` reads mo
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 _PARAMS = ["self", "req_status", "max_num_new_tokens"]
@@ -50,6 +51,30 @@ def _params(method: Any) -> list[str] | None:
         return list(inspect.signature(method).parameters)
     except (TypeError, ValueError):
         return None
+
+
+def _state_parts(
+    manager: Any,
+) -> tuple[Callable[[], object | None], Callable[[], tuple[int, ...]]]:
+    """The manager's lookup version and its lookup counters, each read alone: its own
+    ``lookup_version()`` and ``lookup_counts()`` where it has both (an answer from the
+    memo then reads the version alone), else the two parts of its ``lookup_state()``."""
+    version_of = getattr(manager, "lookup_version", None)
+    counts_of = getattr(manager, "lookup_counts", None)
+    if callable(version_of) and callable(counts_of):
+        return version_of, counts_of
+    state = manager.lookup_state
+
+    def version() -> object | None:
+        whole = state()
+        return None if whole is None else whole[0]
+
+    def counts() -> tuple[int, ...]:
+        whole = state()
+        assert whole is not None  # (read right after a version that was not None)
+        return whole[1]
+
+    return version, counts
 
 
 def install(scheduler: Any) -> bool:
@@ -71,12 +96,8 @@ def install(scheduler: Any) -> bool:
     ):
         return False
     vllm_lookup = scheduler._lookup
-    # A manager that gives the two parts of lookup_state() apart: the version alone
-    # answers an ask from the memo (the counts are read only around vLLM's lookup).
-    version_of = getattr(manager, "lookup_version", None)
-    counts_of = getattr(manager, "lookup_counts", None)
-    if not callable(version_of) or not callable(counts_of):
-        version_of = counts_of = None
+    # (The counters are read only around a lookup handed to vLLM's.)
+    version_of, counts_of = _state_parts(manager)
     tracker = getattr(scheduler, "_events_tracker", None)
     # request id -> (its state object, what the lookup read, the answer, counter moves)
     memos: dict[str, tuple[Any, tuple[Any, ...], int, tuple[int, ...]]] = {}
@@ -93,16 +114,9 @@ def install(scheduler: Any) -> bool:
                 asked.clear()
             asked.add(req_id)
             return vllm_lookup(req_status, max_num_new_tokens)
-        counts: tuple[int, ...] | None = None
-        if version_of is not None:
-            version = version_of()
-            if version is None:
-                return vllm_lookup(req_status, max_num_new_tokens)
-        else:
-            before = state()
-            if before is None:
-                return vllm_lookup(req_status, max_num_new_tokens)
-            version, counts = before
+        version = version_of()
+        if version is None:
+            return vllm_lookup(req_status, max_num_new_tokens)
         req = req_status.req
         read = (
             max_num_new_tokens,
@@ -118,15 +132,10 @@ def install(scheduler: Any) -> bool:
             req_status.partial_tail_boundary = None  # (as vLLM's sets it without tails)
             scheduler.kvtier_repeated_lookups += 1
             return memo[2]
-        if counts_of is not None:
-            counts = counts_of()
+        counts = counts_of()
         hit = vllm_lookup(req_status, max_num_new_tokens)
-        if counts_of is not None:
-            after = None if version_of() is None else counts_of()  # type: ignore[misc]
-        else:
-            state_after = state()
-            after = None if state_after is None else state_after[1]
-        if hit is None or after is None or counts is None:
+        after = None if version_of() is None else counts_of()
+        if hit is None or after is None:
             memos.pop(req_id, None)  # pending: ask again
             return hit
         # (A lookup that changed the cache, a promotion, left another state: the next
