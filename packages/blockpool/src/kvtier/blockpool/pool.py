@@ -177,6 +177,46 @@ class HostBlockPool(PoolHolds):
         self._histogram[min(((n - 1).bit_length() + 1) >> 1, len(ALLOCATION_BUCKETS))] += 1
         return StorePlan(new_keys, blocks, evicted)
 
+    def prepare_store_many(self, requests: Sequence[Sequence[Hashable]]) -> list[StorePlan] | None:
+        """``prepare_store(keys)`` of each of ``requests`` in turn, in one call, when the
+        free blocks hold the new keys of all of them (no eviction): the same plans,
+        blocks, policy inserts and counts. Otherwise ``None``, changing nothing (the
+        caller asks request by request)."""
+        table = self._keys
+        taken: dict[Hashable, None] = {}  # new keys of the requests before
+        wanted: list[list[Hashable]] = []
+        total = 0
+        for keys in requests:
+            new_keys = [k for k in keys if k not in table and k not in taken]
+            if len(new_keys) > 1 and len(set(new_keys)) < len(new_keys):
+                new_keys = list(dict.fromkeys(new_keys))  # a key listed twice is stored once
+            if new_keys:
+                taken.update(dict.fromkeys(new_keys))
+                total += len(new_keys)
+            wanted.append(new_keys)
+        alloc = self._alloc
+        if total > alloc.num_free:
+            return None
+        state, block_key, insert = self._state, self._block_key, self.policy.insert
+        histogram, top = self._histogram, len(ALLOCATION_BUCKETS)
+        plans: list[StorePlan] = []
+        for new_keys in wanted:
+            n = len(new_keys)
+            if not n:
+                plans.append(StorePlan(new_keys, [], []))
+                continue
+            blocks = alloc.allocate(n)  # (per request: the blocks it would get alone)
+            for key, block in zip(new_keys, blocks):
+                table[key] = ~block
+                block_key[block] = key
+                state[block] = KEYED
+            insert(new_keys)
+            histogram[min(((n - 1).bit_length() + 1) >> 1, top)] += 1
+            plans.append(StorePlan(new_keys, blocks, []))
+        self._num_storing += total
+        self.key_changes += sum(1 for plan in plans if plan.keys)
+        return plans
+
     def _is_evictable(self, key: Hashable) -> bool:
         """Whether the policy may evict ``key`` now: cached (not storing) and not pinned."""
         return self._keys[key] >= 0 and key not in self._pins
