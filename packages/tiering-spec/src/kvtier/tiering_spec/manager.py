@@ -387,6 +387,26 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
             self.counters.allocation_sizes.append(len(plan.keys))
         return plan.keys, plan.block_ids, plan.evicted
 
+    def prepare_store_many(
+        self, requests: Sequence[Sequence[bytes]]
+    ) -> list[tuple[list[bytes], list[int], list[bytes]]] | None:
+        """:meth:`prepare_store` of each of ``requests`` (its keys; nothing to keep) in
+        turn, in one call, where the host tier's free blocks hold all their new keys and
+        no admission filter counts offers: the same plans and counts. Otherwise
+        ``None``, changing nothing but applying the tiers' completions (the caller asks
+        request by request)."""
+        if self.admission is not None:
+            return None
+        self.poll()
+        plans = self.pool.prepare_store_many(requests)
+        if plans is None:
+            return None
+        sizes = self.counters.allocation_sizes
+        for plan in plans:
+            if plan.keys:
+                sizes.append(len(plan.keys))
+        return [(plan.keys, plan.block_ids, plan.evicted) for plan in plans]
+
     def _store_leading(self, keys: Sequence[bytes], wanted: Collection[bytes]) -> StorePlan | None:
         """The store of ``keys`` (new ones: ``wanted``) found no room. If it could
         never fit (more new blocks than the host tier has: a prompt larger than the host

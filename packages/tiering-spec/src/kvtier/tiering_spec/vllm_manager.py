@@ -312,6 +312,36 @@ class KvtierOffloadingManager(OffloadingManager):
             evicted_keys=cast(Any, evicted),
         )
 
+    def prepare_store_many(
+        self, requests: Sequence[tuple[Collection[OffloadKey], ReqContext]]
+    ) -> list[PrepareStoreOutput | None]:
+        """:meth:`prepare_store` of each of ``requests`` (keys, request context) in
+        turn: the same answers and effects, in one pass where the host tier has the room
+        for all without evicting (most steps: a step's new prompts planned together)."""
+        self._stats_settled = False
+        lists = [list(keys) for keys, _ in requests]
+        plans = self.core.prepare_store_many(lists)
+        if plans is None:
+            return [self.prepare_store(keys, ctx) for keys, (_, ctx) in zip(lists, requests)]
+        # (Nothing evicted: a key cached before each store is cached after all of them.)
+        contains = self.core.pool.contains
+        out: list[PrepareStoreOutput | None] = []
+        for keys, (_, req_context), (to_store, blocks, evicted) in zip(lists, requests, plans):
+            state = self._request_reuse(req_context)
+            if state is not None:
+                cached = [k for k in keys if contains(k)]
+                if cached:
+                    state.note(cached, reused=True)
+                state.note(to_store, reused=False)
+            out.append(
+                PrepareStoreOutput(
+                    keys_to_store=cast(Any, to_store),
+                    store_spec=CPULoadStoreSpec(blocks),
+                    evicted_keys=cast(Any, evicted),
+                )
+            )
+        return out
+
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
