@@ -104,7 +104,9 @@ def _plain(obj: Any) -> dict[str, Any]:
     return {n: sorted(v) if isinstance(v, set) else repr(v) for n, v in fields.items()}
 
 
-def _shadowed(checks: list[tuple[int, int]], rng: random.Random, nulls: bool) -> Any:
+def _shadowed(
+    checks: list[tuple[int, int]], rng: random.Random, nulls: bool, batches: list[int]
+) -> Any:
     real_planner = store_jobs.planner
 
     def planner(scheduler: Any) -> Any:
@@ -139,11 +141,27 @@ def _shadowed(checks: list[tuple[int, int]], rng: random.Random, nulls: bool) ->
                 answers.append((list(keys), answer))
                 return answer
 
+            many = getattr(manager, "prepare_store_many", None)
+
+            def recorded_many(requests: Any) -> Any:
+                del manager.prepare_store  # (where it asks one by one, recorded here)
+                try:
+                    out = many(requests)
+                finally:
+                    manager.prepare_store = recorded
+                answers.extend((list(keys), answer) for (keys, _), answer in zip(requests, out))
+                batches.append(len(requests))
+                return out
+
             manager.prepare_store = recorded
+            if many is not None:
+                manager.prepare_store_many = recorded_many
             try:
                 ours = plan(scheduler_output)
             finally:
                 del manager.prepare_store
+                if many is not None:
+                    del manager.prepare_store_many
             twin.manager = _Replay(answers)
             theirs = vllm_plan(twin, scheduler_output)
             assert not twin.manager.answers, "kvtier asked the manager for more than vLLM"
@@ -206,7 +224,8 @@ def test_kvtier_plans_the_stores_vllm_plans(
 ) -> None:
     rng = random.Random(host_chunks * 7 + int(prompt_only) + (block_size or 0) + int(nulls))
     checks: list[tuple[int, int]] = []
-    monkeypatch.setattr(store_jobs, "planner", _shadowed(checks, rng, nulls))
+    batches: list[int] = []  # requests asked of the manager together, per step
+    monkeypatch.setattr(store_jobs, "planner", _shadowed(checks, rng, nulls, batches))
     kv = offload_config("CPUOffloadingSpec", host_chunks=host_chunks)
     kv["kv_connector_extra_config"]["offload_prompt_only"] = prompt_only
     if block_size is not None:
@@ -232,6 +251,7 @@ def test_kvtier_plans_the_stores_vllm_plans(
     assert sum(jobs for jobs, _ in checks) > 5, "the workload must store"
     if events:
         assert max(noted for _, noted in checks) > 0, "the tracker must have noted stores"
+    assert batches, "a step's stores must have been asked of the manager together"
 
 
 def _installed(scheduler: Any) -> bool:

@@ -19,6 +19,12 @@ job state, counters, events and log lines. A request with a null block (id 0) wh
 it would store is handed to vLLM's own code (the releases differ on which null blocks
 drop a chunk), so the fast path only sees requests whose blocks are all real.
 
+The manager is asked once a step where it can answer several requests
+(``prepare_store_many``, kvtier's manager: the host tier reserves a step's new prompts
+in one pass): the requests' new keys are read first, changing nothing, then asked for
+together, then the jobs are built in vLLM's order. A manager without it is asked
+request by request.
+
 It is installed only where vLLM's code is one this planner was written against and
 checked with (:data:`KNOWN_SOURCES`: digests of the source of ``_build_store_jobs``
 and of the helpers whose rules it inlines, for vLLM 0.32.0 and 0.33.0); with any
@@ -225,11 +231,15 @@ def planner(scheduler: Any) -> Callable[[Any], dict[int, Any]]:
         store_jobs: dict[int, Any] = {}
         scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         finished_ids = scheduler_output.finished_req_ids or ()
-        # vLLM's order: scheduled requests, then finished ones (it numbers the jobs).
+        # What each request would store, read without changing anything (vLLM's
+        # order: scheduled requests, then finished ones; it numbers the jobs).
+        asks: list[tuple[Any, int, list[tuple[int, int]], list[Any]]] = []
         for position, req_id in enumerate(chain(scheduled, finished_ids)):
             status = statuses.get(req_id)
             if status is None:
                 continue
+            if position >= len(scheduled) and req_id in scheduled:
+                store_jobs.update(settle(asks))  # listed twice: it reads what it planned
             req = status.req
             state = req.status
             if state is aborted:
@@ -239,11 +249,10 @@ def planner(scheduler: Any) -> Callable[[Any], dict[int, Any]]:
             else:
                 after = req.num_computed_tokens + scheduled[req_id]
             num_offloadable = offloadable(status, after)
-            group_states = status.group_states
             ranges: list[tuple[int, int]] = []
             new_keys: list[Any] = []
             null = False
-            for size, group in zip(chunk_tokens, group_states):
+            for size, group in zip(chunk_tokens, status.group_states):
                 keys = group.offload_keys
                 blocks = group.block_ids
                 end = min(num_offloadable // size, len(blocks) // per_chunk, len(keys))
@@ -255,7 +264,8 @@ def planner(scheduler: Any) -> Callable[[Any], dict[int, Any]]:
                     null = True
                     break
                 new_keys += keys[start:end]
-            if null:  # vLLM's own rules for null blocks
+            if null:  # vLLM's own rules for null blocks (they ask the manager themselves)
+                store_jobs.update(settle(asks))
                 one = (
                     Reduced(scheduler_output, {req_id: scheduled[req_id]}, set())
                     if position < len(scheduled)
@@ -263,82 +273,115 @@ def planner(scheduler: Any) -> Callable[[Any], dict[int, Any]]:
                 )
                 store_jobs.update(vllm_plan(one))
                 continue
+            asks.append((status, num_offloadable, ranges, new_keys))
+        store_jobs.update(settle(asks))
+        return store_jobs
+
+    def settle(asks: list[tuple[Any, int, list[tuple[int, int]], list[Any]]]) -> dict[int, Any]:
+        """The jobs of ``asks`` (requests in order: what each would store), the manager
+        asked for all of them in turn, in one call where it can (``prepare_store_many``);
+        ``asks`` is emptied."""
+        store_jobs: dict[int, Any] = {}
+        if not asks:
+            return store_jobs
+        storing = [(new_keys, status.req_context) for status, _, _, new_keys in asks if new_keys]
+        # A manager that answers a step's requests together (kvtier's), else one by one.
+        prepare_many = getattr(manager, "prepare_store_many", None)
+        if prepare_many is not None and len(storing) > 1:
+            answers = iter(prepare_many(storing))
+        else:
+            answers = iter([manager.prepare_store(keys, ctx) for keys, ctx in storing])
+        for status, num_offloadable, ranges, new_keys in asks:
             if not new_keys:
                 status.advance_stored_idx(num_offloadable)
                 continue
-            store_output = manager.prepare_store(new_keys, status.req_context)
-            if store_output is None:
-                scheduler._connector_stats.increase_counter(allocation_failure)
-                refusals.refused(req_id)
-                continue
-            if not store_output.keys_to_store:
-                status.advance_stored_idx(num_offloadable)
-                continue
-            to_store = set(store_output.keys_to_store)
-            whole = len(to_store) == len(new_keys) and to_store.issuperset(new_keys)
-            group_sizes: list[int] = []
-            block_indices: list[int] = []
-            sources: list[int] = []
-            for group_config, group, (start, end) in zip(groups, group_states, ranges):
-                blocks = group.block_ids
-                count = 0
-                first: int | None = None
-                if end > start and whole and not describing:
-                    # Every chunk is stored: its blocks are one slice of the table.
-                    first = start * per_chunk
-                    sources += blocks[first : end * per_chunk]
-                    count = (end - start) * per_chunk
-                elif end > start:
-                    keys = group.offload_keys
-                    for chunk in range(start, end):
-                        key = keys[chunk]
-                        if not whole and key not in to_store:
-                            continue
-                        record(req, group_config, chunk, key)
-                        at = chunk * per_chunk
-                        if first is None:
-                            first = at
-                        sources += blocks[at : at + per_chunk]
-                        count += per_chunk
-                group_sizes.append(count)
-                block_indices.append(first or 0)
-                if end > group.next_stored_chunk_idx:
-                    group.next_stored_chunk_idx = end
-            job_id = scheduler._generate_job_id()
-            transfer_jobs = status.transfer_jobs
-            if transfer_jobs:  # vLLM's invariant: only stores (0.33: or a sync load)
-                other = jobs[next(iter(transfer_jobs))]
-                assert other.is_store or getattr(other, "is_sync_load", False)
-            transfer_jobs.add(job_id)
-            # Full attention only: every source block is fenced once the request ends.
-            deferred = list(sources)
-            jobs[job_id] = job_status_cls(
-                req_id=req_id,
-                pending_count=config.num_workers,
-                keys=to_store,
-                is_store=True,
-                deferred_fence_block_ids=deferred,
-                fenced_block_ids=None,
-            )
-            store_jobs[job_id] = job_cls(
-                req_id=req_id,
-                src_spec=device_spec(sources, group_sizes=group_sizes, block_indices=block_indices),
-                dst_spec=store_output.store_spec,
-            )
-            vllm_logger.debug(
-                "Request %s offloading %s chunks upto %d tokens (job %d)",
-                req_id,
-                len(to_store),
-                num_offloadable,
-                job_id,
-            )
-            if state in finished:
-                allocated = scheduler._current_batch_allocated_block_ids
-                for block_id in deferred:
-                    pending.setdefault(block_id, set()).add(job_id)
-                    if block_id in allocated:
-                        scheduler._current_batch_jobs_to_flush.add(job_id)
+            build(store_jobs, status, num_offloadable, ranges, new_keys, next(answers))
+        asks.clear()
         return store_jobs
+
+    def build(
+        store_jobs: dict[int, Any],
+        status: Any,
+        num_offloadable: int,
+        ranges: list[tuple[int, int]],
+        new_keys: list[Any],
+        store_output: Any,
+    ) -> None:
+        """The store job of a request that asked to store ``new_keys`` (chunks
+        ``ranges`` of each group) and got ``store_output``, into ``store_jobs``."""
+        req = status.req
+        req_id = req.request_id
+        if store_output is None:
+            scheduler._connector_stats.increase_counter(allocation_failure)
+            refusals.refused(req_id)
+            return
+        if not store_output.keys_to_store:
+            status.advance_stored_idx(num_offloadable)
+            return
+        to_store = set(store_output.keys_to_store)
+        whole = len(to_store) == len(new_keys) and to_store.issuperset(new_keys)
+        group_sizes: list[int] = []
+        block_indices: list[int] = []
+        sources: list[int] = []
+        for group_config, group, (start, end) in zip(groups, status.group_states, ranges):
+            blocks = group.block_ids
+            count = 0
+            first: int | None = None
+            if end > start and whole and not describing:
+                # Every chunk is stored: its blocks are one slice of the table.
+                first = start * per_chunk
+                sources += blocks[first : end * per_chunk]
+                count = (end - start) * per_chunk
+            elif end > start:
+                keys = group.offload_keys
+                for chunk in range(start, end):
+                    key = keys[chunk]
+                    if not whole and key not in to_store:
+                        continue
+                    record(req, group_config, chunk, key)
+                    at = chunk * per_chunk
+                    if first is None:
+                        first = at
+                    sources += blocks[at : at + per_chunk]
+                    count += per_chunk
+            group_sizes.append(count)
+            block_indices.append(first or 0)
+            if end > group.next_stored_chunk_idx:
+                group.next_stored_chunk_idx = end
+        job_id = scheduler._generate_job_id()
+        transfer_jobs = status.transfer_jobs
+        if transfer_jobs:  # vLLM's invariant: only stores (0.33: or a sync load)
+            other = jobs[next(iter(transfer_jobs))]
+            assert other.is_store or getattr(other, "is_sync_load", False)
+        transfer_jobs.add(job_id)
+        # Full attention only: every source block is fenced once the request ends.
+        deferred = list(sources)
+        jobs[job_id] = job_status_cls(
+            req_id=req_id,
+            pending_count=config.num_workers,
+            keys=to_store,
+            is_store=True,
+            deferred_fence_block_ids=deferred,
+            fenced_block_ids=None,
+        )
+        store_jobs[job_id] = job_cls(
+            req_id=req_id,
+            src_spec=device_spec(sources, group_sizes=group_sizes, block_indices=block_indices),
+            dst_spec=store_output.store_spec,
+        )
+        vllm_logger.debug(
+            "Request %s offloading %s chunks upto %d tokens (job %d)",
+            req_id,
+            len(to_store),
+            num_offloadable,
+            job_id,
+        )
+        if req.status in finished:
+            allocated = scheduler._current_batch_allocated_block_ids
+            for block_id in deferred:
+                pending.setdefault(block_id, set()).add(job_id)
+                if block_id in allocated:
+                    scheduler._current_batch_jobs_to_flush.add(job_id)
 
     return plan
 
