@@ -116,13 +116,18 @@ def _shadowed(
 
         def checked(scheduler_output: Any) -> dict[int, Any]:
             if nulls and rng.random() < 0.3:
-                # A null block where a request may store: both planners see it.
-                for req_id in scheduler_output.num_scheduled_tokens:
-                    status = scheduler._req_status.get(req_id)
-                    group = status.group_states[0] if status is not None else None
-                    if group and len(group.block_ids) > group.next_stored_chunk_idx:
-                        group.block_ids[group.next_stored_chunk_idx] = 0
-                        break
+                # A null block where a request may store, any of the step's (requests
+                # before it are asked for theirs first): both planners see it.
+                groups = [
+                    status.group_states[0]
+                    for req_id in scheduler_output.num_scheduled_tokens
+                    if (status := scheduler._req_status.get(req_id)) is not None
+                    and len(status.group_states[0].block_ids)
+                    > status.group_states[0].next_stored_chunk_idx
+                ]
+                if groups:
+                    group = rng.choice(groups)
+                    group.block_ids[group.next_stored_chunk_idx] = 0
             twin = copy.copy(scheduler)
             for name in (
                 "_req_status",

@@ -290,12 +290,22 @@ class KvtierOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        return self._prepare_store(list(keys), req_context)
+
+    def _prepare_store(
+        self,
+        keys: list[OffloadKey],
+        req_context: ReqContext,
+        cached: list[OffloadKey] | None = None,
+    ) -> PrepareStoreOutput | None:
+        """:meth:`prepare_store`; ``cached``: which of ``keys`` were cached when the
+        request offered them, where read already."""
         self._stats_settled = False
-        keys = list(keys)
         state = self._request_reuse(req_context)
         if state is not None:
-            contains = self.core.pool.contains  # cached keys offered again are a use
-            cached = [k for k in keys if contains(k)]
+            if cached is None:
+                contains = self.core.pool.contains  # cached keys offered again are a use
+                cached = [k for k in keys if contains(k)]
             if cached:
                 state.note(cached, reused=True)
         # What the request loaded or reused stays: its recency is refreshed only when it
@@ -316,20 +326,30 @@ class KvtierOffloadingManager(OffloadingManager):
         self, requests: Sequence[tuple[Collection[OffloadKey], ReqContext]]
     ) -> list[PrepareStoreOutput | None]:
         """:meth:`prepare_store` of each of ``requests`` (keys, request context) in
-        turn: the same answers and effects, in one pass where the host tier has the room
-        for all without evicting (most steps: a step's new prompts planned together)."""
+        turn: the same answers and records, in one pass where the host tier has the room
+        for all without evicting (most steps: a step's new prompts planned together).
+        The tiers are polled once for all of them (one by one: once each)."""
         self._stats_settled = False
         lists = [list(keys) for keys, _ in requests]
-        plans = self.core.prepare_store_many(lists)
-        if plans is None:
-            return [self.prepare_store(keys, ctx) for keys, (_, ctx) in zip(lists, requests)]
-        # (Nothing evicted: a key cached before each store is cached after all of them.)
+        if not lists:
+            return []
+        # The first request reads what is cached before the tiers' news are applied,
+        # as prepare_store does; the others read it after, as they would in turn.
         contains = self.core.pool.contains
+        first = [k for k in lists[0] if contains(k)]
+        plans = self.core.prepare_store_many(lists)
         out: list[PrepareStoreOutput | None] = []
-        for keys, (_, req_context), (to_store, blocks, evicted) in zip(lists, requests, plans):
+        if plans is None:  # one by one
+            for i, (keys, (_, req_context)) in enumerate(zip(lists, requests)):
+                out.append(self._prepare_store(keys, req_context, first if i == 0 else None))
+            return out
+        # (Nothing evicted: a key cached before each store is cached after all of them.)
+        for i, (keys, (_, req_context), (to_store, blocks, evicted)) in enumerate(
+            zip(lists, requests, plans)
+        ):
             state = self._request_reuse(req_context)
             if state is not None:
-                cached = [k for k in keys if contains(k)]
+                cached = first if i == 0 else [k for k in keys if contains(k)]
                 if cached:
                     state.note(cached, reused=True)
                 state.note(to_store, reused=False)

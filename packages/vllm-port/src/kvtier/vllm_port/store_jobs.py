@@ -20,10 +20,12 @@ it would store is handed to vLLM's own code (the releases differ on which null b
 drop a chunk), so the fast path only sees requests whose blocks are all real.
 
 The manager is asked once a step where it can answer several requests
-(``prepare_store_many``, kvtier's manager: the host tier reserves a step's new prompts
-in one pass): the requests' new keys are read first, changing nothing, then asked for
-together, then the jobs are built in vLLM's order. A manager without it is asked
-request by request.
+(``prepare_store_many``, which must answer as ``prepare_store`` of each in turn:
+kvtier's manager, whose host tier reserves a step's new prompts in one pass): the
+requests' new keys are read first, changing nothing, then asked for together, then the
+jobs are built in vLLM's order. A manager without it is asked request by request. (So
+a manager's own log lines about a request may come before the debug lines of the jobs
+of the requests before it.)
 
 It is installed only where vLLM's code is one this planner was written against and
 checked with (:data:`KNOWN_SOURCES`: digests of the source of ``_build_store_jobs``
