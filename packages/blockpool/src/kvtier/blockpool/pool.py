@@ -166,16 +166,22 @@ class HostBlockPool(PoolHolds):
             blocks = alloc.allocate(n - len(reused)) + reused if len(reused) < n else reused
         else:
             blocks = alloc.allocate(n)
-        state, block_key = self._state, self._block_key
+        self._reserve(new_keys, blocks)
+        return StorePlan(new_keys, blocks, evicted)
+
+    def _reserve(self, new_keys: list[Hashable], blocks: list[int]) -> None:
+        """``new_keys`` (at least one) are being stored in ``blocks``, one each: the key
+        map, the blocks' owners, the policy and the counts say so."""
+        table, state, block_key = self._keys, self._state, self._block_key
         for key, block in zip(new_keys, blocks):
             table[key] = ~block
             block_key[block] = key
             state[block] = KEYED
+        n = len(new_keys)
         self._num_storing += n
         self.key_changes += 1
         self.policy.insert(new_keys)
         self._histogram[min(((n - 1).bit_length() + 1) >> 1, len(ALLOCATION_BUCKETS))] += 1
-        return StorePlan(new_keys, blocks, evicted)
 
     def prepare_store_many(self, requests: Sequence[Sequence[Hashable]]) -> list[StorePlan] | None:
         """``prepare_store(keys)`` of each of ``requests`` in turn, in one call, when the
@@ -197,24 +203,14 @@ class HostBlockPool(PoolHolds):
         alloc = self._alloc
         if total > alloc.num_free:
             return None
-        state, block_key, insert = self._state, self._block_key, self.policy.insert
-        histogram, top = self._histogram, len(ALLOCATION_BUCKETS)
         plans: list[StorePlan] = []
         for new_keys in wanted:
-            n = len(new_keys)
-            if not n:
+            if not new_keys:
                 plans.append(StorePlan(new_keys, [], []))
                 continue
-            blocks = alloc.allocate(n)  # (per request: the blocks it would get alone)
-            for key, block in zip(new_keys, blocks):
-                table[key] = ~block
-                block_key[block] = key
-                state[block] = KEYED
-            insert(new_keys)
-            histogram[min(((n - 1).bit_length() + 1) >> 1, top)] += 1
+            blocks = alloc.allocate(len(new_keys))  # (the blocks it would get alone)
+            self._reserve(new_keys, blocks)
             plans.append(StorePlan(new_keys, blocks, []))
-        self._num_storing += total
-        self.key_changes += sum(1 for plan in plans if plan.keys)
         return plans
 
     def _is_evictable(self, key: Hashable) -> bool:

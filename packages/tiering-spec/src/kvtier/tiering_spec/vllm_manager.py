@@ -311,8 +311,14 @@ class KvtierOffloadingManager(OffloadingManager):
         # What the request loaded or reused stays: its recency is refreshed only when it
         # finishes, and its own stores would otherwise evict the head they follow.
         plan = self.core.prepare_store(keys, () if state is None else state.reused)
-        if plan is None:
-            return None
+        return None if plan is None else self._planned(state, plan)
+
+    @staticmethod
+    def _planned(
+        state: _RequestReuse | None, plan: tuple[list[bytes], list[int], list[bytes]]
+    ) -> PrepareStoreOutput:
+        """vLLM's answer for the store ``plan`` (keys to store, their blocks, keys
+        evicted) of a request (its record ``state``, which notes the keys it stores)."""
         to_store, blocks, evicted = plan
         if state is not None:
             state.note(to_store, reused=False)
@@ -344,22 +350,13 @@ class KvtierOffloadingManager(OffloadingManager):
                 out.append(self._prepare_store(keys, req_context, first if i == 0 else None))
             return out
         # (Nothing evicted: a key cached before each store is cached after all of them.)
-        for i, (keys, (_, req_context), (to_store, blocks, evicted)) in enumerate(
-            zip(lists, requests, plans)
-        ):
+        for i, (keys, (_, req_context), plan) in enumerate(zip(lists, requests, plans)):
             state = self._request_reuse(req_context)
             if state is not None:
                 cached = first if i == 0 else [k for k in keys if contains(k)]
                 if cached:
                     state.note(cached, reused=True)
-                state.note(to_store, reused=False)
-            out.append(
-                PrepareStoreOutput(
-                    keys_to_store=cast(Any, to_store),
-                    store_spec=CPULoadStoreSpec(blocks),
-                    evicted_keys=cast(Any, evicted),
-                )
-            )
+            out.append(self._planned(state, plan))
         return out
 
     def complete_store(
