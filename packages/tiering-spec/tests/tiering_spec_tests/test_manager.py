@@ -54,6 +54,48 @@ def test_host_tier_lookup_states() -> None:
     assert mgr.counters.host_hits == 1
 
 
+def _host_state(seed: int) -> tuple[TierManager, list[bytes]]:
+    """A host-only manager whose keys are cached, being stored, being stored with a
+    late read's hold, or absent, at random (the same for the same ``seed``)."""
+    rng = random.Random(seed)
+    mgr = TierManager(HostBlockPool(32))
+    keys = [b"k%d" % i for i in range(12)]
+    for key in keys:
+        state = rng.choice(["cached", "storing", "late", "absent"])
+        if state == "absent":
+            continue
+        assert mgr.prepare_store([key]) is not None
+        if state == "cached":
+            mgr.complete_store([key])
+        elif state == "late":
+            mgr.pool.hold([key], Hold.LATE_READ)
+    rng.shuffle(keys)
+    return mgr, keys
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_host_only_prefix_lookup_answers_as_its_keys_looked_up_one_by_one(seed: int) -> None:
+    """``lookup_prefix`` with the host tier alone answers the key a run of cached keys
+    stops at without ``lookup``'s call: the same answers, counters and pass as asking
+    ``lookup`` key by key up to the first MISS."""
+    fast, keys = _host_state(seed)
+    slow, _ = _host_state(seed)
+    found, ready = fast.lookup_prefix(keys, "r")
+    answers = []
+    for key in keys:
+        answer = slow.lookup(key, "r")
+        if answer is Lookup.MISS:
+            break
+        answers.append(answer is Lookup.HIT)
+    assert found == len(answers)
+    assert ready == (None if all(answers) else answers)
+    assert (fast.counters.host_queries, fast.counters.host_hits) == (
+        slow.counters.host_queries,
+        slow.counters.host_hits,
+    )
+    assert fast._pass_keys == slow._pass_keys
+
+
 def test_a_failed_store_is_a_miss() -> None:
     mgr = TierManager(HostBlockPool(2))
     mgr.prepare_store([b"a"])

@@ -269,7 +269,8 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         pool = self.pool
         counters = self.counters
         promoting = self._promoting
-        reserve = bool(self.secondary_tiers)  # (the first promotion reserves for the rest)
+        tiers = self.secondary_tiers
+        reserve = bool(tiers)  # (the first promotion reserves for the rest)
         num_keys = len(keys)
         after_run = False  # keys[found] ended a run of cached keys
         try:
@@ -289,7 +290,21 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
                         continue
                 after_run = False
                 key = keys[found]
-                answer = self.lookup(key, req_id, secondary=secondary)
+                if tiers or self._pass_held is not None:
+                    answer = self.lookup(key, req_id, secondary=secondary)
+                else:
+                    # lookup()'s answer with the host tier alone, for a key the run
+                    # stopped at (not cached): HIT_PENDING while it is being stored.
+                    counters.host_queries += 1
+                    if (
+                        pool.is_storing(key)
+                        and key not in self._reserved
+                        and not pool.holds(key, Hold.LATE_READ)
+                    ):
+                        self._pass_keys.append(key)
+                        answer = Lookup.HIT_PENDING
+                    else:
+                        answer = Lookup.MISS
                 if answer is Lookup.MISS:
                     break
                 hit = answer is Lookup.HIT
@@ -487,12 +502,15 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
 
     def _begin_pass(self, req_id: str) -> None:
         """A lookup pass for the request ``req_id`` begins (see :meth:`lookup`)."""
-        self._end_pass()
+        if self._pass_req is not None or self._pass_held is not None or self._pass_keys:
+            self._end_pass()
         self._pass_req = req_id
-        self.flush()  # the previous request's promotions
-        # Once a pass, not once a key: a read that ends during the pass is a
-        # HIT_PENDING, which vLLM asks again next step.
-        self.poll()
+        if self._queued:
+            self.flush()  # the previous request's promotions
+        if self.secondary_tiers:
+            # Once a pass, not once a key: a read that ends during the pass is a
+            # HIT_PENDING, which vLLM asks again next step.
+            self.poll()
 
     def _end_pass(self) -> None:
         """Forget the lookup pass, releasing the keys it held for its promotions."""

@@ -155,10 +155,12 @@ class KvtierOffloadingManager(OffloadingManager):
         self._stats_settled = False
         if self.side.offload.no_loads_reason is not None:
             return 0, None
-        return self.core.lookup_prefix(
-            cast(Sequence[bytes], keys),
+        core = self.core
+        return core.lookup_prefix(
+            keys,  # type: ignore[arg-type]
             req_context.req_id,
-            secondary=self._pass_tiers(req_context),
+            # (With the host tier alone there is no tier to choose.)
+            secondary=self._pass_tiers(req_context) if core.secondary_tiers else True,
         )
 
     def lookup_state(self) -> tuple[object, tuple[int, ...]] | None:
@@ -322,10 +324,11 @@ class KvtierOffloadingManager(OffloadingManager):
         to_store, blocks, evicted = plan
         if state is not None:
             state.note(to_store, reused=False)
+        # (No typing.cast here: a call per store of every request.)
         return PrepareStoreOutput(
-            keys_to_store=cast(Any, to_store),
+            keys_to_store=to_store,  # type: ignore[arg-type]
             store_spec=CPULoadStoreSpec(blocks),
-            evicted_keys=cast(Any, evicted),
+            evicted_keys=evicted,  # type: ignore[arg-type]
         )
 
     def prepare_store_many(

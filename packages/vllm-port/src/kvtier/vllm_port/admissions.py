@@ -255,14 +255,14 @@ class Admissions:
         size = self.tokens_per_chunk
         computed = status.num_locally_computed_tokens
         req = status.req
-        max_hit = req.num_tokens
+        max_hit = num_tokens = req.num_tokens
         if max_num_new_tokens is not None:
             max_hit = min(max_hit, computed + max_num_new_tokens)
         max_load = status.max_load_tokens
         if max_load is not None:
             max_hit = min(max_hit, computed + max_load)
         keys = status.group_states[0].offload_keys
-        assert len(keys) >= req.num_tokens // size
+        assert len(keys) >= num_tokens // size
         max_hit = min(max_hit, len(keys) * size)
         if max_load is not None:
             max_hit = max_hit // size * size

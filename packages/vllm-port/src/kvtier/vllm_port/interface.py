@@ -203,7 +203,8 @@ class VllmPort(abc.ABC):
         """The object of type ``kind`` kept for the request, or None."""
         get_state = getattr(req_context, "get_state", None)
         if get_state is not None:
-            return cast("_T | None", get_state(kind))
+            # (No typing.cast here: a call per ask, and vLLM asks per request.)
+            return get_state(kind)
         return cast("_T | None", getattr(req_context, STATE_ATTR + kind.__name__, None))
 
     def set_request_state(self, req_context: Any, state: object) -> bool:
