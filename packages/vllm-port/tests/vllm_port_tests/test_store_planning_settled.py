@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.vllm_port import store_planning
+from kvtier.vllm_port import admissions, store_planning
 
 CHUNK = 4
 
@@ -99,9 +99,33 @@ class Scheduler:
             status.group_states[0].next_stored_chunk_idx = 0
 
 
-def _run(seed: int, filtered: bool) -> list[tuple[str, int, int]]:
+class OwnAdmissions:
+    """kvtier's admission calls, as store_planning sees them: installed on the
+    scheduler as bound methods of ``_kvtier_admissions``, each calling ``forget`` with
+    the request's id first (as :class:`admissions.Admissions` does)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.forget: Any = None
+
+    def matched(self, request: Req, num_computed_tokens: int) -> None:
+        if self.forget is not None:
+            self.forget(request.request_id)
+        Scheduler.get_num_new_matched_tokens(self.sched, request, num_computed_tokens)
+
+    def allocated(self, request: Req, blocks: Any, num_external: int) -> None:
+        if self.forget is not None:
+            self.forget(request.request_id)
+        Scheduler.update_state_after_alloc(self.sched, request, blocks, num_external)
+
+
+def _run(seed: int, filtered: bool, own: bool = False) -> list[tuple[str, int, int]]:
     rng = random.Random(seed)
     sched = Scheduler()
+    if own:
+        admit = sched._kvtier_admissions = OwnAdmissions(sched)  # type: ignore[attr-defined]
+        sched.get_num_new_matched_tokens = admit.matched  # type: ignore[method-assign]
+        sched.update_state_after_alloc = admit.allocated  # type: ignore[method-assign]
     if filtered:
         store_planning.plan_stores_for_candidates(sched)
     running: list[Req] = []
@@ -146,6 +170,29 @@ def _run(seed: int, filtered: bool) -> list[tuple[str, int, int]]:
 def test_the_filter_plans_what_a_planner_of_every_request_plans(seed: int) -> None:
     assert _run(seed, filtered=True) == _run(seed, filtered=False)
     assert _run(seed, filtered=False), "the run must store"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_kvtiers_own_admission_calls_forget_instead_of_a_wrapper(seed: int) -> None:
+    """Where kvtier's admission calls are installed, the filter hands them its
+    ``forget`` rather than wrapping them: the same stores as a planner of every
+    request."""
+    assert _run(seed, filtered=True, own=True) == _run(seed, filtered=False)
+
+
+def test_the_admission_calls_forget_the_request_first() -> None:
+    """kvtier's ``Admissions.matched`` and ``allocated`` call ``forget`` with the
+    request's id before anything else (no vLLM needed: the call stops right after)."""
+    made = admissions.Admissions.__new__(admissions.Admissions)
+    made.scheduler = SimpleNamespace()
+    made.statuses = {}  # the lookup's first read fails: nothing after forget runs
+    forgotten: list[str] = []
+    made.forget = forgotten.append
+    request = SimpleNamespace(request_id="r7")
+    with pytest.raises(KeyError):
+        made.matched(request, 0)
+    made.allocated(request, None, 0)  # nothing to load: it returns after forget
+    assert forgotten == ["r7", "r7"]
 
 
 class Recording(Scheduler):

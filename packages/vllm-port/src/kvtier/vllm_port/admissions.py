@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.vllm_port import store_jobs
@@ -161,6 +162,9 @@ class Admissions:
         self.job_cls = module.TransferJob
         self.device_spec = module.GPULoadStoreSpec
         self.admitted = 0  # requests looked up here (for tests)
+        # Called with the request id first thing in matched() and allocated(), where set
+        # (kvtier-vllm-port's store planning: what may move a request's store index back).
+        self.forget: Callable[[str], None] | None = None
         # Delay samples of memo answers not observed yet, and stats asked for since.
         self.held: list[float] = []
         self.held_steps = 0
@@ -170,6 +174,9 @@ class Admissions:
     def matched(
         self, request: Any, num_computed_tokens: int, max_num_new_tokens: int | None = None
     ) -> tuple[int | None, bool]:
+        forget = self.forget
+        if forget is not None:
+            forget(request.request_id)
         scheduler = self.scheduler
         status = self.statuses[request.request_id]
         group = status.group_states[0]
@@ -303,6 +310,9 @@ class Admissions:
     # -- update_state_after_alloc ---------------------------------------------------------
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        forget = self.forget
+        if forget is not None:
+            forget(request.request_id)
         if num_external_tokens == 0:
             return
         scheduler = self.scheduler

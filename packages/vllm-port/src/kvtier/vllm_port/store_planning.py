@@ -305,8 +305,15 @@ def _settled_requests(scheduler: Any) -> set[str]:
         settled.clear()
         return vllm_reset(*args, **kwargs)
 
+    admit = getattr(scheduler, "_kvtier_admissions", None)
     for name in _STORE_INDEX_RESETS:
-        setattr(scheduler, name, forgetting(getattr(scheduler, name)))
+        method = getattr(scheduler, name)
+        if admit is not None and getattr(method, "__self__", None) is admit:
+            # kvtier's own admission call forgets the request itself, first thing:
+            # the same as this wrapper, without its frame on every admission.
+            setattr(admit, "forget", settled.discard)  # noqa: B010
+            continue
+        setattr(scheduler, name, forgetting(method))
     vllm_reset = scheduler.reset_cache
     scheduler.reset_cache = reset_cache
     return settled
