@@ -432,9 +432,10 @@ class OffloadingConnector(_Base):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         manager = self._kvtier_manager
-        if manager is not None:
+        if manager is not None and manager.core.secondary_tiers:
             # Admitted (vLLM may admit it without asking the manager, its prompt all
-            # on the device): it no longer waits, nothing is promoted ahead for it.
+            # on the device): it no longer waits, nothing is promoted ahead for it
+            # (only secondary tiers promote ahead).
             manager.forget_ahead(request.request_id)
         return super().update_state_after_alloc(request, *args, **kwargs)
 

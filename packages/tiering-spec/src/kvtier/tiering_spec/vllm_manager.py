@@ -438,8 +438,8 @@ class KvtierOffloadingManager(OffloadingManager):
         return self._metrics.collect()
 
     def forget_ahead(self, req_id: str) -> None:
-        """vLLM admitted the request ``req_id``: nothing is promoted ahead for it now."""
-        self._stats_settled = False
+        """vLLM admitted the request ``req_id``: nothing is promoted ahead for it now
+        (no metric reads what waits to be promoted ahead: the stats stay settled)."""
         self.core.forget_ahead(req_id)
 
     def get_stats(self) -> Any:
