@@ -8,7 +8,9 @@ the model must agree on the eviction order, the clock, ``tau``, the uses and the
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Hashable, Sequence
+from heapq import heappush
 
 import pytest
 from hypothesis import settings
@@ -23,6 +25,7 @@ from hypothesis.stateful import (
 )
 
 from kvtier.blockpool import FrecencyPolicy
+from kvtier.blockpool.policy_base import NO_KEY
 
 KEY = st.integers(0, 19)
 
@@ -266,3 +269,98 @@ def test_frecency_policy_matches_model(machine: type[FrecencyAgainstModel]) -> N
         machine,
         settings=settings(max_examples=200, stateful_step_count=60, deadline=None),
     )
+
+
+class OneRowAtATime(FrecencyPolicy):
+    """``insert`` adding each new key's entry alone (``_new``), as it did before new
+    keys' entries were added together."""
+
+    __slots__ = ()
+
+    def insert(self, keys: Sequence[Hashable]) -> None:
+        seen, ghosts, heap, fresh = self._seen, self._ghosts, self._heap, self._fresh
+        uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
+        stored_at, scale = self._stored_at, self._scale
+        clock, order = self.clock, self._order
+        at_clock = scale * clock
+        for key in reversed(keys):
+            row = seen.get(key)
+            order += 1
+            if row is None:
+                item = (at_clock, order, key)
+                seen[key] = self._new(clock, order, item)
+                fresh.append(item)
+                continue
+            if ghosts.pop(key, NO_KEY) is not NO_KEY and stored_at[row] >= 0:
+                self._restored[row] = True
+            item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
+            heappush(heap, item)
+            if self._spare_items is not None:
+                self._spare(row, key)
+        self._order = order
+        self.stored += len(keys)
+        self.clock += len(keys) / self.tau
+        if self._walk < self._walk_end:
+            self._walk_rows(len(keys) * self._walk_step)
+        if self._graves:
+            self._free_graves(len(keys))
+        if self.stored >= self._next_tune:
+            self._tune()
+
+
+_STATE = ("_uses", "_clocks", "_stored_at", "_restored", "_orders", "_items", "_free",
+          "_seen", "_heap", "_fresh", "_spare_items", "_spare_heap", "_spare_fresh",
+          "_ghosts", "parked", "clock", "tau", "_order", "stored")  # fmt: skip
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("seed", range(12))
+def test_new_keys_added_together_leave_the_state_of_one_at_a_time(
+    seed: int, incremental: bool
+) -> None:
+    """Every field of every entry, the queues and the spare queues are those of adding
+    each new key's entry alone, through inserts of new, known and ghost keys (a key
+    given twice in one call too), evictions that free rows, removals and reuses."""
+    rng = random.Random(seed)
+    capacity = 16
+
+    def make(cls: type[FrecencyPolicy]) -> FrecencyPolicy:
+        if incremental:  # the spare queues, built ahead from INCREMENTAL_KEYS on
+            cls = type(cls.__name__, (cls,), {"__slots__": (), "INCREMENTAL_KEYS": 1})
+        policy = cls(capacity)
+        policy.max_ghosts = 12  # ghosts are forgotten, so rows are used again
+        return policy
+
+    fast, slow = make(FrecencyPolicy), make(OneRowAtATime)
+    cached: set[int] = set()
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.45:
+            drawn = [rng.randrange(80) for _ in range(rng.randint(1, 7))]
+            keys = list(dict.fromkeys(k for k in drawn if k not in cached))
+            if not keys:
+                continue
+            if rng.random() < 0.15:
+                keys.append(keys[0])  # a key given twice in one call
+            for policy in (fast, slow):
+                policy.insert(keys)
+            cached.update(keys)
+        elif op < 0.7 and cached:
+            n = rng.randint(1, 4)
+            victims = slow.evict(n, lambda k: True)
+            assert fast.evict(n, lambda k: True) == victims
+            cached.difference_update(victims or ())
+        elif op < 0.8 and cached:
+            key = rng.choice(sorted(cached))
+            for policy in (fast, slow):
+                policy.remove(key)
+            cached.discard(key)
+        else:
+            keys = rng.sample(range(80), rng.randint(1, 6))
+            for policy in (fast, slow):
+                policy.touch_prefix(keys, set(keys[:2]))
+        for name in _STATE:
+            a, b = getattr(fast, name), getattr(slow, name)
+            if isinstance(a, (list, dict)) or hasattr(a, "popleft"):
+                a, b = list(a), list(b)  # (a deque, or the order of a dict's keys)
+            assert a == b, name

@@ -222,6 +222,23 @@ class FrecencyPolicy:
             spare_items.append(spare)
         return len(self._items) - 1
 
+    def _add_rows(self, added: list[tuple[float, int, Key]], clock: float) -> None:
+        """The entries of new keys queued as ``added`` (their items, in order), in the
+        next rows: what :meth:`_new` does for each with no free row, together."""
+        n = len(added)
+        self._uses += [0] * n
+        self._clocks += [clock] * n
+        self._stored_at += [-1] * n
+        self._restored += [False] * n
+        self._orders += [item[1] for item in added]
+        self._items += added
+        self._fresh += added
+        spare_items = self._spare_items
+        if spare_items is not None:  # (no free row: none was walked)
+            spares = [(2.0 * item[0], item[1], item[2]) for item in added]
+            self._spare_fresh += spares
+            spare_items += spares
+
     def _spare(self, row: int, key: Key) -> None:
         """Queue ``key`` (row ``row``, cached again) in the spare heap with its score at
         the next scale, unless the walk has its row still to go over."""
@@ -330,23 +347,36 @@ class FrecencyPolicy:
         """``keys`` entered the cache; a ghost gets its uses back."""
         seen, ghosts, heap, fresh = self._seen, self._ghosts, self._heap, self._fresh
         uses, clocks, orders, items = self._uses, self._clocks, self._orders, self._items
-        stored_at, scale = self._stored_at, self._scale
+        stored_at, scale, free = self._stored_at, self._scale, self._free
         clock, order = self.clock, self._order
         at_clock = scale * clock  # a new key's scaled score
+        # New keys once no free row is left take the next rows in turn: their entries
+        # are added together (a list extend per field, not an append per key and field).
+        added: list[tuple[float, int, Key]] = []
+        base = len(items)  # the first row of ``added``
         for key in reversed(keys):  # the tail first: it goes first among equals
             row = seen.get(key)
             order += 1
             if row is None:
                 item = (at_clock, order, key)
-                seen[key] = self._new(clock, order, item)
-                fresh.append(item)
+                if free:
+                    seen[key] = self._new(clock, order, item)
+                    fresh.append(item)
+                else:
+                    seen[key] = base + len(added)
+                    added.append(item)
                 continue
+            if row >= base:  # a key given twice, added above: its entry must exist now
+                self._add_rows(added, clock)
+                base, added = len(items), []
             if ghosts.pop(key, NO_KEY) is not NO_KEY and stored_at[row] >= 0:
                 self._restored[row] = True  # stored again: its next use was a miss
             item = items[row] = (uses[row] + scale * clocks[row], orders[row], key)
             heappush(heap, item)
             if self._spare_items is not None:
                 self._spare(row, key)
+        if added:
+            self._add_rows(added, clock)
         self._order = order
         self.stored += len(keys)
         self.clock += len(keys) / self.tau
