@@ -4,6 +4,7 @@ one run end to end on a real engine."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,54 @@ def test_an_admission_counts_the_step_that_allocated_it_and_the_one_that_schedul
     assert bench_step.summarize(rec)["sched_us"]["per_admitted"] == 40.0
 
 
+def test_counted_calls_leave_out_the_timing_wrappers() -> None:
+    """--calls: each outermost timed call counts the Python calls and the calls of
+    builtins made inside it, its own included, nested timed calls too, and none of the
+    timing wrappers' own."""
+    side = bench_step.Side()
+
+    def helper() -> None:
+        return None
+
+    class Probe:
+        def inner(self, items: list[int]) -> int:
+            return len(items)  # 1 Python call (inner), 1 builtin
+
+        def outer(self) -> None:
+            items = [1, 2]
+            helper()
+            helper()
+            len(items)
+            len(items)
+            self.inner(items)  # 3 Python calls (outer, helper x2) and 2 builtins above
+
+    probe = Probe()
+    side.wrap(probe, ("inner", "outer"))
+    probe.outer()
+    assert side.take_calls() == (0, 0), "nothing is counted unless --calls is on"
+    bench_step.COUNTS.on = True
+    try:
+        probe.outer()
+        probe.inner([3])
+    finally:
+        bench_step.COUNTS.on = False
+    assert sys.getprofile() is None
+    assert side.take_calls() == (4 + 1, 3 + 1)
+    assert side.take_calls() == (0, 0), "take_calls() hands each step's count over once"
+
+
+def test_calls_per_admitted_request_are_the_admitting_steps_counts() -> None:
+    rec = bench_step.StepRecorder()
+    rec.schedule_calls = [(100_000, 10_000, 8), (90_000, 60_000, 0), (120_000, 40_000, 8)]
+    rec.update_calls = [(5_000, 0)] * 3
+    rec.admitted = [0, 0, 2]
+    rec.allocated = [0, 2, 0]
+    rec.step_counts = [(10, 20), (300, 500), (100, 100)]
+    calls = bench_step.summarize(rec)["calls"]
+    assert calls["py_per_admitted"] == 200.0 and calls["c_per_admitted"] == 300.0
+    assert calls["py_per_step"] == 100.0, "the median of the steps that scheduled tokens"
+
+
 def engine_of(model: Path, name: str) -> Any:
     """An engine as the benchmark makes one for connector ``name`` (room-8's config)."""
     from kvtier.testkit import kv_transfer_config, make_llm
@@ -131,6 +180,19 @@ def test_one_run_reports_every_connector_beside_the_anchor(tmp_path: Path) -> No
         assert "build_connector_meta" in runs[name]["methods"], name
     assert any(g["goal"].startswith("room-8: kvtier-host") for g in report["goals"])
     assert report["timer_ns"]["own"] > 0
+
+
+@requires_vllm
+@pytest.mark.e2e
+def test_a_counted_run_reports_calls_per_step_and_per_admitted_request(tmp_path: Path) -> None:
+    out = tmp_path / "calls.json"
+    args = ["--calls", "--only", "room-8", "--connectors", "kvtier-host", "--json", str(out)]
+    assert bench_step.main(args) == 0
+    assert sys.getprofile() is None and not bench_step.COUNTS.on
+    calls = json.loads(out.read_text())["calls"]["room-8"]["kvtier-host"]
+    # Each of room-8's requests is looked up, stored and finished: dozens of calls each.
+    assert calls["py_per_admitted"] > 10 and calls["c_per_admitted"] > 10, calls
+    assert calls["py_per_step"] > 0, calls
 
 
 @requires_vllm

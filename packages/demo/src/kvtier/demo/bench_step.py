@@ -2,6 +2,7 @@
 
     python -m kvtier.demo.bench_step [--json out.json] [--only WORKLOAD ...]
                                      [--connectors NAME ...] [--repeat N] [--breakdown]
+                                     [--calls]
 
 On an NPU or GPU a decode step lasts a few milliseconds, and a connector's Python work
 is paid on that step's critical path: the scheduler side between two forwards, the
@@ -64,6 +65,13 @@ the JSON).
 Prints a table per workload, the five costliest kvtier methods in µs per call, the goals
 with their measured values, and the share of a 15 ms and a 30 ms accelerator step each
 connector takes; writes JSON.
+
+With ``--calls`` it counts instead of timing: the scheduler side's Python calls and calls
+of builtins (``sys.setprofile`` around each outermost connector call), the median per
+step and per request admitted, beside vLLM's own connector. A count does not move with
+the machine's load, so a change of a few percent shows in one run, where the times of a
+2-core VM move by more than that from run to run; the times of a counted run mean
+nothing, and no goal is judged.
 """
 
 from __future__ import annotations
@@ -371,6 +379,30 @@ class _CopyClock(threading.local):
 COPY_CLOCK = _CopyClock()
 
 
+class _CallCount:
+    """``--calls``: the Python calls and the calls of builtins made inside the timed
+    connector methods (``sys.setprofile`` around each outermost call; the timing
+    wrappers' own calls are not counted). A count does not move with the machine's load,
+    as CPU time does; the timings of a counted run mean nothing (the profile slows
+    every call)."""
+
+    on = False
+    py = 0
+    c = 0
+    wrapper: Any = None  # the timing wrapper's code: its frames and their calls are not counted
+
+    def profile(self, frame: Any, event: str, arg: Any) -> None:
+        if frame.f_code is self.wrapper:
+            return
+        if event == "call":
+            self.py += 1
+        elif event == "c_call":
+            self.c += 1
+
+
+COUNTS = _CallCount()
+
+
 @contextmanager
 def copies_excluded() -> Iterator[None]:
     """Count the CPU backend's block copies on :data:`COPY_CLOCK`, so the connectors'
@@ -405,6 +437,7 @@ class Side:
 
     acc: int = 0
     outer_calls: int = 0
+    calls_acc: tuple[int, int] = (0, 0)  # --calls: (Python, builtin) calls of outer calls
     depth: threading.local = field(default_factory=threading.local)
     methods: dict[str, MethodStats] = field(default_factory=dict)
     # With --breakdown: each method's time in the current step (nested calls included).
@@ -426,6 +459,10 @@ class Side:
             depth = getattr(local, "d", 0)
             local.d = depth + 1
             calls = local.calls = getattr(local, "calls", 0) + 1
+            counting = COUNTS.on and depth == 0
+            if counting:
+                counted = (COUNTS.py, COUNTS.c)
+                sys.setprofile(COUNTS.profile)
             copied = COPY_CLOCK.ns
             t0 = clock()
             try:
@@ -435,6 +472,10 @@ class Side:
                 return result
             finally:
                 spent = clock() - t0 - (COPY_CLOCK.ns - copied)
+                if counting:
+                    sys.setprofile(None)
+                    py, c = self.calls_acc
+                    self.calls_acc = (py + COUNTS.py - counted[0], c + COUNTS.c - counted[1])
                 local.d = depth
                 # This call's timer and those of the timed calls inside it.
                 spent -= TIMER.own_ns + (local.calls - calls) * TIMER.nested_ns
@@ -447,11 +488,17 @@ class Side:
                     self.acc += spent
                     self.outer_calls += 1
 
+        COUNTS.wrapper = timed.__code__  # (the same code for every wrapper)
         return timed
 
     def take(self) -> int:
         spent, self.acc = self.acc, 0
         return spent
+
+    def take_calls(self) -> tuple[int, int]:
+        """The (Python, builtin) calls counted since the last call (``--calls``)."""
+        counted, self.calls_acc = self.calls_acc, (0, 0)
+        return counted
 
 
 @dataclass
@@ -513,6 +560,9 @@ class StepRecorder:
     manager: Side = field(default_factory=Side)
     schedule_calls: list[tuple[int, int, int]] = field(default_factory=list)  # total, conn, tokens
     update_calls: list[tuple[int, int]] = field(default_factory=list)
+    # --calls: the scheduler side's (Python, builtin) calls per step, arrivals before it
+    # included, as for its time.
+    step_counts: list[tuple[int, int]] = field(default_factory=list)
     worker_steps: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)  # requests admitted or resumed, per step
     allocated: list[int] = field(default_factory=list)  # update_state_after_alloc calls, per step
@@ -553,6 +603,8 @@ class StepRecorder:
             out = orig_schedule(*args, **kwargs)
             total = clock() - t0 - (side.outer_calls - timed_calls) * TIMER.nested_ns
             conn_ns = side.take()
+            if COUNTS.on:
+                self.step_counts.append(side.take_calls())  # (arrivals' calls included)
             self.schedule_calls.append(
                 (total + between, conn_ns + between, int(out.total_num_scheduled_tokens))
             )
@@ -566,6 +618,9 @@ class StepRecorder:
             out = orig_update(*args, **kwargs)
             total = clock() - t0 - (side.outer_calls - timed_calls) * TIMER.nested_ns
             self.update_calls.append((total, side.take()))
+            if COUNTS.on and self.step_counts:
+                (py, c), (upy, uc) = self.step_counts[-1], side.take_calls()
+                self.step_counts[-1] = (py + upy, c + uc)
             return out
 
         sched.schedule, sched.update_from_output = schedule, update
@@ -705,7 +760,54 @@ def summarize(rec: StepRecorder) -> dict[str, Any]:
             if s.calls
         },
         **({"steady_profile": profile} if profile else {}),
+        **({"calls": count_summary(rec)} if rec.step_counts else {}),
     }
+
+
+def count_summary(rec: StepRecorder) -> dict[str, float]:
+    """``--calls``: the scheduler side's Python and builtin calls, the median per step
+    (the steps that scheduled tokens) and per request admitted (the steps that admit)."""
+    counts = rec.step_counts
+    steps = [s for s in rec.steps(all_steps=True) if s["step"] < len(counts)]
+    scheduled = [counts[s["step"]] for s in rec.steps() if s["step"] < len(counts)]
+    admitting = [s for s in steps if s["admits"]]
+    admitted = sum(s["admitted"] for s in admitting)
+
+    def per_admitted(part: int) -> float:
+        total = sum(counts[s["step"]][part] for s in admitting)
+        return round(total / admitted, 1) if admitted else 0.0
+
+    def median(values: list[int]) -> float:
+        return float(sorted(values)[len(values) // 2]) if values else 0.0
+
+    return {
+        "py_per_step": median([py for py, _ in scheduled]),
+        "c_per_step": median([c for _, c in scheduled]),
+        "py_per_admitted": per_admitted(0),
+        "c_per_admitted": per_admitted(1),
+    }
+
+
+def print_counts(results: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """``--calls``: a table of the scheduler side's calls per workload."""
+    print("\n== the scheduler side's calls (--calls): Python calls and calls of builtins")
+    cols = ("workload", "connector", "py/step", "builtin/step", "py/admitted",
+            "builtin/admitted", "x vLLM conn")  # fmt: skip
+    rows = []
+    for wl, runs in results.items():
+        anchor = runs.get("vllm", {}).get("calls")
+        for name, r in runs.items():
+            n = r.get("calls")
+            if n is None:
+                continue
+            both = n["py_per_admitted"] + n["c_per_admitted"]
+            base = anchor["py_per_admitted"] + anchor["c_per_admitted"] if anchor else 0
+            rows.append((wl, name, f"{n['py_per_step']:.0f}", f"{n['c_per_step']:.0f}",
+                         f"{n['py_per_admitted']:.1f}", f"{n['c_per_admitted']:.1f}",
+                         f"{both / base:.2f}" if base else "-"))  # fmt: skip
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+    for row in (cols, *rows):
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
 
 
 STEADY_TOP, STEADY_MIDDLE = 0.85, (0.4, 0.6)
@@ -984,6 +1086,13 @@ def main(argv: list[str] | None = None) -> int:
         "print each kvtier method's time in the costliest 15%% of the steps admitting "
         "nothing beside the middle fifth of them (where the steady p90 comes from)",
     )
+    parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="count the scheduler side's Python calls and calls of builtins per step and "
+        "per admitted request instead of timing it (a count does not move with the "
+        "machine's load; the times of such a run mean nothing, and no goal is judged)",
+    )
     opts = parser.parse_args(argv)
     if opts.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {opts.repeat}")
@@ -1018,9 +1127,25 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(opts.repeat):
                 with tempfile.TemporaryDirectory(prefix="kvtier-bench-step-") as fs_root:
                     print(f"{wl.name}: {name} ...", file=sys.stderr, flush=True)
-                    runs.append(run_one(model, wl, name, fs_root, breakdown=opts.breakdown))
+                    COUNTS.on = opts.calls
+                    try:
+                        runs.append(run_one(model, wl, name, fs_root, breakdown=opts.breakdown))
+                    finally:
+                        COUNTS.on = False
             # The run least disturbed by the machine: vLLM's own scheduler cost lowest.
             results[wl.name][name] = min(runs, key=lambda r: r["vllm_sched_us"]["median"])
+    if opts.calls:
+        print_counts(results)
+        if opts.json:
+            out = {
+                "model": MODEL_SHAPE,
+                "workloads": {w.name: w.description for w in chosen},
+                "calls": {wl: {n: r["calls"] for n, r in rs.items()} for wl, rs in results.items()},
+            }
+            Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(opts.json).write_text(json.dumps(out, indent=2) + "\n")
+            print(f"wrote {opts.json}")
+        return 0
     print_report(results, {w.name: w.description for w in chosen})
     top = costliest(results)
     print("\n== the five costliest kvtier methods (CPU time over every run)")
