@@ -73,6 +73,18 @@ def _host_state(seed: int) -> tuple[TierManager, list[bytes]]:
     return mgr, keys
 
 
+def test_a_key_being_stored_is_pending_unless_a_late_read_holds_it() -> None:
+    """A key the host tier is storing reads HIT_PENDING; held for a read that timed
+    out (never loaded), it reads MISS, key by key and in a prefix."""
+    mgr = TierManager(HostBlockPool(8))
+    assert mgr.prepare_store([b"a", b"b"]) is not None
+    assert mgr.lookup(b"a", "r") is Lookup.HIT_PENDING
+    assert mgr.lookup_prefix([b"a", b"b"], "q") == (2, [False, False])
+    mgr.pool.hold([b"b"], Hold.LATE_READ)
+    assert mgr.lookup(b"b", "s") is Lookup.MISS
+    assert mgr.lookup_prefix([b"a", b"b"], "t") == (1, [False])
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_a_host_only_prefix_lookup_answers_as_its_keys_looked_up_one_by_one(seed: int) -> None:
     """``lookup_prefix`` with the host tier alone answers the key a run of cached keys

@@ -211,11 +211,9 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
                 pool.hold([key], Hold.LOOKUP_PASS)
                 self._pass_held.append(key)
             return Lookup.HIT
-        if pool.is_storing(key) and key not in self._reserved:
-            if pool.holds(key, Hold.LATE_READ):  # a read that timed out: never loaded
-                return Lookup.MISS
-            self._pass_keys.append(key)
-            return Lookup.HIT_PENDING
+        storing = self._storing_answer(key)
+        if storing is not None:
+            return storing
         if not self.secondary_tiers or secondary is False:
             return Lookup.MISS
         if self._refused and key in self._refused:
@@ -256,6 +254,19 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
             return Lookup.HIT_PENDING
         return Lookup.HIT_PENDING if unknown else Lookup.MISS
 
+    def _storing_answer(self, key: bytes) -> Lookup | None:
+        """:meth:`lookup`'s answer for ``key`` (not cached) while the host tier stores
+        it: HIT_PENDING, the key joining the pass, or MISS where a read that timed out
+        holds it (never loaded). None where it is not being stored (or only reserved
+        for a promotion of this pass)."""
+        pool = self.pool
+        if not pool.is_storing(key) or key in self._reserved:
+            return None
+        if pool.holds(key, Hold.LATE_READ):  # a read that timed out: never loaded
+            return Lookup.MISS
+        self._pass_keys.append(key)
+        return Lookup.HIT_PENDING
+
     def lookup_prefix(
         self, keys: Sequence[bytes], req_id: str = "", *, secondary: bool | Sequence[bool] = True
     ) -> tuple[int, list[bool] | None]:
@@ -294,17 +305,10 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
                     answer = self.lookup(key, req_id, secondary=secondary)
                 else:
                     # lookup()'s answer with the host tier alone, for a key the run
-                    # stopped at (not cached): HIT_PENDING while it is being stored.
+                    # stopped at (not cached): only a key being stored is not a MISS.
                     counters.host_queries += 1
-                    if (
-                        pool.is_storing(key)
-                        and key not in self._reserved
-                        and not pool.holds(key, Hold.LATE_READ)
-                    ):
-                        self._pass_keys.append(key)
-                        answer = Lookup.HIT_PENDING
-                    else:
-                        answer = Lookup.MISS
+                    storing = self._storing_answer(key)
+                    answer = Lookup.MISS if storing is None else storing
                 if answer is Lookup.MISS:
                     break
                 hit = answer is Lookup.HIT
