@@ -790,24 +790,20 @@ def count_summary(rec: StepRecorder) -> dict[str, float]:
 
 def print_counts(results: dict[str, dict[str, dict[str, Any]]]) -> None:
     """``--calls``: a table of the scheduler side's calls per workload."""
-    print("\n== the scheduler side's calls (--calls): Python calls and calls of builtins")
-    cols = ("workload", "connector", "py/step", "builtin/step", "py/admitted",
-            "builtin/admitted", "x vLLM conn")  # fmt: skip
-    rows = []
+    cols = ("connector", "py/step", "builtin/step", "py/admitted", "builtin/admitted",
+            "x vLLM conn")  # fmt: skip
     for wl, runs in results.items():
+        print(f"\n== {wl}: the scheduler side's Python calls and calls of builtins (--calls)")
         anchor = runs.get("vllm", {}).get("calls")
+        base = anchor["py_per_admitted"] + anchor["c_per_admitted"] if anchor else 0
+        rows = []
         for name, r in runs.items():
-            n = r.get("calls")
-            if n is None:
-                continue
+            n = r["calls"]
             both = n["py_per_admitted"] + n["c_per_admitted"]
-            base = anchor["py_per_admitted"] + anchor["c_per_admitted"] if anchor else 0
-            rows.append((wl, name, f"{n['py_per_step']:.0f}", f"{n['c_per_step']:.0f}",
+            rows.append([name, f"{n['py_per_step']:.0f}", f"{n['c_per_step']:.0f}",
                          f"{n['py_per_admitted']:.1f}", f"{n['c_per_admitted']:.1f}",
-                         f"{both / base:.2f}" if base else "-"))  # fmt: skip
-    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
-    for row in (cols, *rows):
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+                         f"{both / base:.2f}" if base else "-"])  # fmt: skip
+        _print_table(cols, rows)
 
 
 STEADY_TOP, STEADY_MIDDLE = 0.85, (0.4, 0.6)
@@ -1010,6 +1006,14 @@ def _line(cells: list[str], widths: list[int]) -> str:
     )
 
 
+def _print_table(cols: tuple[str, ...], rows: list[list[str]]) -> None:
+    """``cols`` and ``rows``, each column as wide as its widest cell."""
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    print(_line(list(cols), widths))
+    for row in rows:
+        print(_line(row, widths))
+
+
 def print_report(
     results: dict[str, dict[str, dict[str, Any]]], descriptions: dict[str, str]
 ) -> None:
@@ -1046,10 +1050,7 @@ def print_report(
                     f"{r['wall_s']:.1f}",
                 ]
             )
-        widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-        print(_line(list(cols), widths))
-        for row in rows:
-            print(_line(row, widths))
+        _print_table(cols, rows)
 
 
 def print_steady_profiles(results: dict[str, dict[str, dict[str, Any]]]) -> None:
