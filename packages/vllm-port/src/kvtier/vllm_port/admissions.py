@@ -242,13 +242,13 @@ class Admissions:
         new = status.req.block_hashes[per * count + per - 1 :: per]
         if new:
             suffix, size = self.suffix, self.tokens_per_chunk
-            positions = status.req_context._offload_key_positions
+            added = [block_hash + suffix for block_hash in new]
+            keys += added
+            # (Together, not a call per key: each key's end token, chunk by chunk.)
             end = count * size
-            for block_hash in new:
-                key = block_hash + suffix
-                keys.append(key)
-                end += size
-                positions[key] = end
+            status.req_context._offload_key_positions.update(
+                zip(added, range(end + size, end + size * (len(added) + 1), size))
+            )
 
     # -- _lookup ------------------------------------------------------------------------
 
@@ -325,8 +325,9 @@ class Admissions:
         ranges: list[tuple[int, int, Any]] = status.load_key_ranges
         ranges.clear()
         group_blocks = blocks.blocks[self.group_idx]
+        # (A comprehension, not a generator: one frame, not one resumption per block.)
         scheduler._current_batch_allocated_block_ids.update(
-            block.block_id for block in group_blocks if block.block_id != 0
+            [block.block_id for block in group_blocks if block.block_id != 0]
         )
         per_block, size = self.tokens_per_block, self.tokens_per_chunk
         num_gpu_blocks = -(cached // -per_block)
@@ -350,9 +351,10 @@ class Admissions:
             keys_to_load = keys[first_chunk:num_chunks]
             load_from = load_start * per_block
             end = first_chunk * size
-            for key in keys_to_load:
+            for key in keys_to_load:  # (comparisons, not max and min: per key)
                 begin, end = end, end + size
-                ranges.append((max(load_from, begin), min(cached, end), key))
+                lo = load_from if load_from > begin else begin
+                ranges.append((lo, cached if cached < end else end, key))
         dst_block_ids = [block.block_id for block in group_blocks[load_start:num_gpu_blocks]]
         if status.offloading_context.policy == self.chunk_level:
             group.next_stored_chunk_idx = num_chunks
