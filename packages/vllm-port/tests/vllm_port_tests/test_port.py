@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -117,6 +118,28 @@ def test_request_state_is_kept_on_a_context_without_vllms_store() -> None:
     assert chosen.request_state(ctx, Mark) == Mark(3)
     assert chosen.key_positions(ctx, ["k"]) is None
     assert not chosen.set_request_state(object(), Mark(1))  # no attributes: nothing kept
+
+
+def test_key_positions_are_what_vllms_context_answers() -> None:
+    base = pytest.importorskip("vllm.v1.kv_offload.base")
+    chosen = port.LegacyPort()
+    ctx = base.ReqContext(req_id="r")
+    for i, key in enumerate([b"a", b"b", b"c"]):
+        ctx.set_offload_key_position(key, 32 * (i + 1))
+    keys = [b"c", b"x", b"a", b"b"]
+    want = [ctx.get_offload_key_position(k) for k in keys]
+    assert want == [96, None, 32, 64]
+    assert interface.positions_table(type(ctx)), "vLLM's context read directly"
+    assert chosen.key_positions(ctx, keys) == want
+
+    class Other(base.ReqContext):  # a context that places keys its own way
+        def get_offload_key_position(self, key: Any) -> int | None:
+            return 7
+
+    other = Other(req_id="o")
+    other.set_offload_key_position(b"a", 32)
+    assert not interface.positions_table(Other)
+    assert chosen.key_positions(other, [b"a", b"z"]) == [7, 7]
 
 
 def test_plain_renders_dataclasses_enums_and_sets_stably() -> None:

@@ -5,6 +5,7 @@ which tiers it may use)."""
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any, cast
 
@@ -26,6 +27,10 @@ from kvtier.tiering_spec.manager import Lookup
 from kvtier.tiering_spec.metrics_emitter import MetricsEmitter
 
 logger = logging.getLogger("kvtier.tiering_spec")
+
+# A (position, key) pair's position: the sort key of a finished request's keys (a C
+# callable: no Python call a key).
+_FIRST = operator.itemgetter(0)
 
 
 class _RequestReuse:
@@ -277,7 +282,7 @@ class KvtierOffloadingManager(OffloadingManager):
         keys = list(state.keys)
         ends = compat.PORT.key_positions(req_context, keys)
         if ends is not None and None not in ends:  # each key's place in the prompt
-            keys = [k for _, k in sorted(zip(ends, keys), key=lambda e: e[0])]
+            keys = [k for _, k in sorted(zip(ends, keys), key=_FIRST)]
         if keys:
             self.core.finish_request(keys, state.reused)
 

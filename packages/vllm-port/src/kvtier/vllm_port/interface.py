@@ -235,6 +235,9 @@ class VllmPort(abc.ABC):
 
     def key_positions(self, req_context: Any, keys: list[Any]) -> list[Any] | None:
         """Each key's place in the request's prompt, where the scheduler tells it."""
+        if positions_table(type(req_context)):
+            # (vLLM's method reads this dict: one lookup a key, no call.)
+            return list(map(req_context._offload_key_positions.get, keys))
         position = getattr(req_context, "get_offload_key_position", None)
         return None if position is None else [position(key) for key in keys]
 
@@ -379,6 +382,16 @@ def has_member(module: str, name: str, attribute: str | None = None) -> bool:
 def transfer_results_class() -> Any:
     # Asked for every worker step: look the class up once.
     return importlib.import_module(CONNECTOR_BASE).KVConnectorTransferResults
+
+
+@functools.cache
+def positions_table(context_cls: type) -> bool:
+    """Whether ``get_offload_key_position`` of vLLM's request context class
+    ``context_cls`` answers ``self._offload_key_positions.get(key)`` (vLLM 0.32 and
+    0.33), so the dict can be read directly."""
+    method = getattr(context_cls, "get_offload_key_position", None)
+    code = getattr(method, "__code__", None)
+    return code is not None and code.co_names == ("_offload_key_positions", "get")
 
 
 @functools.cache
