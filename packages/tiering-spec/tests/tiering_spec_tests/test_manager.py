@@ -159,6 +159,20 @@ def test_stored_blocks_are_written_through_and_promoted_back(make_tier) -> None:
     assert region.block(0, mgr.pool.block_of(b"a")) == expected_a
     assert mgr.load_source(b"a") == "fs"
     assert mgr.counters.promotions == 1
+    # One source for several keys: where each key's is the same, else none.
+    assert mgr.sole_load_source([b"a"]) == "fs"
+    assert mgr.load_source(b"c") == "host" and mgr.sole_load_source([b"c", b"d"]) == "host"
+    assert mgr.sole_load_source([b"a", b"c"]) is None
+    assert mgr.sole_load_source([b"c", b"a"]) is None
+
+
+def test_a_host_tier_alone_is_the_sole_load_source() -> None:
+    mgr = TierManager(HostBlockPool(2))
+    plan = mgr.prepare_store([b"a", b"b"])
+    assert plan is not None
+    mgr.complete_store([b"a", b"b"])
+    assert [mgr.load_source(k) for k in (b"a", b"b")] == ["host", "host"]
+    assert mgr.sole_load_source([b"a", b"b"]) == "host"
 
 
 def a_in_the_fs_tier_only(make_tier) -> tuple[TierManager, object]:

@@ -158,7 +158,28 @@ def _counted(sweep: Any, calls: list[int]) -> Any:
     return counted
 
 
-def test_hit_sources_are_what_vllm_sweeps() -> None:
+class _SoleSource(_Manager):
+    """A manager that names the one source of several keys in one call, as kvtier's
+    does (``sole_load_source``), and notes the keys it is asked about one by one (only
+    vLLM's sweep should)."""
+
+    def __init__(self, answers: dict[Any, Any], sources: dict[Any, str]) -> None:
+        super().__init__(answers, sources)
+        self.asked: list[list[Any]] = []
+        self.one_by_one = 0
+
+    def sole_load_source(self, keys: list[Any], req_context: Any) -> Any:
+        self.asked.append(list(keys))
+        found = {self.sources[k] for k in keys}
+        return found.pop() if len(found) == 1 else None
+
+    def get_load_source(self, key: Any, req_context: Any) -> str:
+        self.one_by_one += 1
+        return super().get_load_source(key, req_context)
+
+
+@pytest.mark.parametrize("manager_cls", [_Manager, _SoleSource], ids=["per-key", "sole"])
+def test_hit_sources_are_what_vllm_sweeps(manager_cls: type) -> None:
     rng = random.Random(11)
     tiers = [CacheHitSource.HOST, CacheHitSource.DISK, "host", "disk"]
     fast = 0
@@ -171,7 +192,7 @@ def test_hit_sources_are_what_vllm_sweeps() -> None:
         n = rng.choice([0, 8, 16, 24, 32, 48, 64, 100])
         request = SimpleNamespace(request_id="r")
         theirs = _scheduler(_Manager({}, sources), {"r": status})
-        ours = _scheduler(_Manager({}, sources), {"r": status})
+        ours = _scheduler(manager_cls({}, sources), {"r": status})
         sweeps: list[int] = []
         ours.get_external_cache_hit_sources = _counted(ours.get_external_cache_hit_sources, sweeps)
         assert lookups.single_source_hits(ours)
@@ -180,6 +201,10 @@ def test_hit_sources_are_what_vllm_sweeps() -> None:
         assert got == want, (status, sources, n)
         assert all(isinstance(k, CacheHitSource) for k in got)
         fast += not sweeps and n > 0
+        if manager_cls is _SoleSource:
+            assert len(ours.manager.asked) <= 1, "asked more than once for a hit"
+            if not sweeps:
+                assert ours.manager.one_by_one == 0, "asked key by key"
     assert fast > 100, "the one-tier answer must be taken for most one-tier hits"
 
 

@@ -332,6 +332,18 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
         """``"host"``, or the fs tier's name when the key was promoted from it."""
         return self._load_sources.get(key, "host")
 
+    def sole_load_source(self, keys: Sequence[bytes]) -> str | None:
+        """:meth:`load_source` of every key of ``keys`` (at least one), where it is the
+        same for all; else None."""
+        sources = self._load_sources
+        if not sources:
+            return "host"  # (nothing promoted: the host tier alone)
+        first = sources.get(keys[0], "host")
+        for key in keys:
+            if sources.get(key, "host") != first:
+                return None
+        return first
+
     # ------------------------------------------------------------------ device loads
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:

@@ -244,6 +244,18 @@ class KvtierOffloadingManager(OffloadingManager):
             hit_source = self._hit_sources[source] = compat.PORT.cache_hit_source(source)
         return hit_source
 
+    def sole_load_source(self, keys: list[OffloadKey], req_context: ReqContext) -> Any:
+        """What :meth:`get_load_source` answers for every key of ``keys``, where it answers
+        the same for all; else None. One call for a hit's keys (see
+        :mod:`kvtier.vllm_port.lookups`)."""
+        source = self.core.sole_load_source(keys)
+        if source is None:
+            return None
+        hit_source = self._hit_sources.get(source)
+        if hit_source is None:
+            hit_source = self._hit_sources[source] = compat.PORT.cache_hit_source(source)
+        return hit_source
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         self._stats_settled = False
         blocks = self.core.prepare_load(list(keys))

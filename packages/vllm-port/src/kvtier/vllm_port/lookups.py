@@ -18,7 +18,10 @@ calls per key on the scheduler's thread, for every request it admits.
 * **One source for a hit served by one tier.** Where every loaded range of the
   request, clipped to the hit, comes from one tier, and the ranges cover the hit in
   order, the answer is that tier for every token, which is what vLLM's sweep finds; any
-  other hit goes through vLLM's own method.
+  other hit goes through vLLM's own method. A manager with ``sole_load_source(keys,
+  req_context)`` (the one source of all of ``keys``, or None where they come from
+  several) is asked once for the hit's keys; any other is asked key by key
+  (``get_load_source``).
 
 Where vLLM's scheduler lacks what these read, nothing changes.
 
@@ -142,6 +145,9 @@ def single_source_hits(scheduler: Any) -> bool:
     ):
         return False
     sweep: Callable[[Any, int], Any] = scheduler.get_external_cache_hit_sources
+    # A manager that names the one source of several keys in one call (kvtier's), else
+    # None: its get_load_source is asked key by key.
+    sole_source: Callable[[list[Any], Any], Any] | None = getattr(manager, "sole_load_source", None)
 
     def get_external_cache_hit_sources(request: Any, num_external_tokens: int) -> Any:
         if num_external_tokens == 0:
@@ -152,18 +158,29 @@ def single_source_hits(scheduler: Any) -> bool:
         context = status.req_context
         source = None
         covered = start  # the hit is covered from start up to here
+        keys: list[Any] = []
+        # (Comparisons, not min and max: this runs for every loaded key.)
         for lo, hi, key in status.load_key_ranges:
-            lo, hi = max(start, lo), min(end, hi)
+            if lo < start:
+                lo = start
+            if hi > end:
+                hi = end
             if lo >= hi:
                 continue
             if lo > covered:  # a gap, or ranges out of order: vLLM's sweep decides
                 return sweep(request, num_external_tokens)
-            tier = get_load_source(key, context)
-            if source is None:
-                source = tier
-            elif tier != source:
-                return sweep(request, num_external_tokens)
-            covered = max(covered, hi)
+            if sole_source is not None:
+                keys.append(key)
+            else:
+                tier = get_load_source(key, context)
+                if source is None:
+                    source = tier
+                elif tier != source:
+                    return sweep(request, num_external_tokens)
+            if hi > covered:
+                covered = hi
+        if keys:
+            source = sole_source(keys, context)  # type: ignore[misc]
         if source is None or covered < end:
             return sweep(request, num_external_tokens)
         return {source_type(source): num_external_tokens}
