@@ -229,3 +229,60 @@ def test_decoding_requests_with_their_prompt_stored_are_not_looked_at() -> None:
     sched.get_num_new_matched_tokens(reqs[1], 0)  # r1's index goes back
     step(1)
     assert sched.seen[-1] == {"r1"} and sched.stored[-1] == ("r1", 0, 2)
+
+
+def test_settled_requests_are_not_keyed_until_they_leave_the_set() -> None:
+    """update_keys_when_new adds no key to a settled request that got no new block
+    (nothing reads its keys), keys every other request as vLLM's update does, and
+    keys a settled one that gets a block or leaves the set, all its lacking keys in
+    one call (vLLM's ``RequestOffloadState`` and request-data walk)."""
+    mod = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+    config = SimpleNamespace(
+        kv_group_configs=(SimpleNamespace(group_idx=0, tokens_per_chunk=32, hashes_per_chunk=2),)
+    )
+
+    def state(req_id: str) -> Any:
+        req = SimpleNamespace(
+            request_id=req_id, block_hashes=[], kv_transfer_params=None, kv_hints=None
+        )
+        return mod.RequestOffloadState(
+            config=config,
+            req=req,
+            req_context=mod._create_req_context(req),
+            offloading_context=None,
+        )
+
+    sched: Any = object.__new__(mod.OffloadingConnectorScheduler)
+    sched.config = config
+    sched._req_status = {r: state(r) for r in ("a", "b")}
+    sched._current_batch_allocated_block_ids = set()
+    settled = {"a"}
+    store_planning.update_keys_when_new(sched, settled)
+
+    def step(new_blocks: dict[str, Any]) -> None:
+        for status in sched._req_status.values():  # a chunk's worth of new hashes
+            n = len(status.req.block_hashes)
+            status.req.block_hashes += [
+                b"%s%d" % (status.req.request_id.encode(), n + i) for i in range(2)
+            ]
+        ids = list(sched._req_status)
+        cached = SimpleNamespace(
+            req_ids=ids, new_block_ids=[new_blocks.get(r) for r in ids], resumed_req_ids=set()
+        )
+        sched._update_req_states(
+            SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached)
+        )
+
+    def keys(req_id: str) -> int:
+        return len(sched._req_status[req_id].group_states[0].offload_keys)
+
+    step({})
+    step({})
+    assert (keys("a"), keys("b")) == (0, 2), "a settled request was keyed"
+    step({"a": ([5],)})  # a new block: keyed, the chunks it lacks together
+    assert (keys("a"), keys("b")) == (3, 3)
+    step({})
+    settled.discard("a")  # its store index went back (a lookup, an allocation)
+    step({})
+    assert (keys("a"), keys("b")) == (5, 5)
+    assert sched._req_status["a"].group_states[0].block_ids == [5]

@@ -25,8 +25,11 @@ GPU that cost is paid on every step.
   vLLM's loop (block tables, the step's newly allocated block ids) over the requests
   and flags its ``yield_req_data`` gives (whether a new request's block ids are its
   whole table is asked of it once), with ``update_offload_keys`` called only when its
-  slice of block hashes is not empty. This is used only without sliding-window groups,
-  where vLLM 0.32's and 0.33's loops are the same; with them vLLM's own runs.
+  slice of block hashes is not empty; a request whose whole prompt is stored (where
+  only prompts are offloaded) is not keyed while it decodes without a new block, since
+  nothing reads its keys until vLLM's lookup, allocation or ``request_finished``, each
+  of which adds the keys it lacks first. This is used only without sliding-window
+  groups, where vLLM 0.32's and 0.33's loops are the same; with them vLLM's own runs.
 
 Where vLLM's scheduler lacks what these read, nothing changes. Under the candidate
 filter, :mod:`kvtier.vllm_port.store_jobs` plans a plain model's stores in place of
@@ -108,13 +111,16 @@ def speed_up(scheduler: Any) -> bool:
     shape. Returns whether the two were applied."""
     if not _has_shape(scheduler):
         return False
+    # Requests whose whole prompt is stored, where only prompts are offloaded (see
+    # plan_stores_for_candidates): neither planned nor keyed while they decode.
+    settled = _settled_requests(scheduler) if scheduler.config.offload_prompt_only else None
     if getattr(scheduler, "_sliding_window_groups", None) == ():
         try:
-            update_keys_when_new(scheduler)
+            update_keys_when_new(scheduler, settled)
         except Exception:  # vLLM's yield_req_data answered unlike 0.32 and 0.33
             logger.debug("kvtier: vLLM's request-state update kept", exc_info=True)
     store_jobs.install(scheduler)  # the candidate filter goes in front of it
-    plan_stores_for_candidates(scheduler)
+    plan_stores_for_candidates(scheduler, settled)
     quiet_steps(scheduler)
     return True
 
@@ -212,9 +218,14 @@ def quiet_steps(scheduler: Any) -> bool:
     return True
 
 
-def update_keys_when_new(scheduler: Any) -> None:
+def update_keys_when_new(scheduler: Any, settled: set[str] | None = None) -> None:
     """vLLM's ``_update_req_states`` for a model without sliding-window groups, with
-    ``update_offload_keys`` called only where a chunk's last block hash is new."""
+    ``update_offload_keys`` called only where a chunk's last block hash is new, and
+    not at all for a running request of ``settled`` that got no new block (see
+    :func:`plan_stores_for_candidates`: its prompt is stored, and nothing plans its
+    stores or reads its keys until it leaves the set or finishes; every method that
+    takes it out of the set, and vLLM's ``request_finished``, adds the keys it lacks
+    first, all of them in one call)."""
     new_is_full = _new_requests_full_table(sys.modules[type(scheduler).__module__].yield_req_data)
     groups = scheduler.config.kv_group_configs
     group_ids = tuple(g.group_idx for g in groups)
@@ -247,11 +258,16 @@ def update_keys_when_new(scheduler: Any) -> None:
             one(new.req_id, new.block_ids, new_is_full, allocated)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
+        # (A step that hands boundary states over, hybrid models', plans with the keys.)
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        skip = settled if not getattr(block_state, "boundary_state_offloads", None) else None
         for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
             if new_blocks or resumed:
                 one(req_id, new_blocks, req_id in resumed, allocated)
                 continue
             # A running request with no new block (most of them, most steps).
+            if skip and req_id in skip:
+                continue  # its prompt is stored: no key is read before it leaves
             status = statuses[req_id]
             hashes = len(status.req.block_hashes)
             if single is not None:  # one KV cache group: no loop
@@ -319,9 +335,10 @@ def _settled_requests(scheduler: Any) -> set[str]:
     return settled
 
 
-def plan_stores_for_candidates(scheduler: Any) -> None:
+def plan_stores_for_candidates(scheduler: Any, settled: set[str] | None = None) -> None:
     """Put the candidate filter (see the module) in front of ``scheduler``'s store
-    planning."""
+    planning; ``settled``: the set :func:`_settled_requests` made for ``scheduler``,
+    where only prompts are offloaded (made here when not given)."""
     plan: Callable[[Any], Any] = scheduler._build_store_jobs
     statuses: dict[str, Any] = scheduler._req_status
     chunk_tokens = tuple(g.tokens_per_chunk for g in scheduler.config.kv_group_configs)
@@ -333,7 +350,8 @@ def plan_stores_for_candidates(scheduler: Any) -> None:
     # can store again until it finishes (finished requests are planned from vLLM's
     # finished_req_ids), unless its store index goes back, which only vLLM's lookup,
     # allocation and cache reset do (each forgets the request here).
-    settled = _settled_requests(scheduler) if prompt_only else None
+    if settled is None and prompt_only:
+        settled = _settled_requests(scheduler)
 
     def candidates(scheduled: dict[str, int]) -> dict[str, int]:
         keep: dict[str, int] = {}
