@@ -199,9 +199,11 @@ class Recording(Scheduler):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[set[str]] = []
+        self.seen_finished: list[list[str]] = []
 
     def _build_store_jobs(self, output: Any) -> dict[int, str]:
         self.seen.append(set(output.num_scheduled_tokens))
+        self.seen_finished.append(list(output.finished_req_ids))
         return super()._build_store_jobs(output)
 
 
@@ -232,10 +234,10 @@ def test_decoding_requests_with_their_prompt_stored_are_not_looked_at() -> None:
 
 
 def test_settled_requests_are_not_keyed_until_they_leave_the_set() -> None:
-    """update_keys_when_new adds no key to a settled request that got no new block
-    (nothing reads its keys), keys every other request as vLLM's update does, and
-    keys a settled one that gets a block or leaves the set, all its lacking keys in
-    one call (vLLM's ``RequestOffloadState`` and request-data walk)."""
+    """update_keys_when_new adds no key to a settled request (nothing reads its keys)
+    but records its new blocks, keys every other request as vLLM's update does, and
+    keys a settled one once it leaves the set, all its lacking keys in one call
+    (vLLM's ``RequestOffloadState`` and request-data walk)."""
     mod = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
     config = SimpleNamespace(
         kv_group_configs=(SimpleNamespace(group_idx=0, tokens_per_chunk=32, hashes_per_chunk=2),)
@@ -279,10 +281,42 @@ def test_settled_requests_are_not_keyed_until_they_leave_the_set() -> None:
     step({})
     step({})
     assert (keys("a"), keys("b")) == (0, 2), "a settled request was keyed"
-    step({"a": ([5],)})  # a new block: keyed, the chunks it lacks together
-    assert (keys("a"), keys("b")) == (3, 3)
+    step({"a": ([5],), "b": ([6],)})  # new blocks: recorded, a still not keyed
+    assert (keys("a"), keys("b")) == (0, 3)
+    assert sched._current_batch_allocated_block_ids == {5, 6}
     step({})
     settled.discard("a")  # its store index went back (a lookup, an allocation)
     step({})
-    assert (keys("a"), keys("b")) == (5, 5)
+    assert (keys("a"), keys("b")) == (5, 5), "the chunks it lacks, together"
     assert sched._req_status["a"].group_states[0].block_ids == [5]
+
+
+def test_finished_requests_with_their_prompt_stored_are_not_planned() -> None:
+    """A request that finishes with its whole prompt stored has nothing to store: it
+    is not handed to the planner. One that finishes with chunks left (its store index
+    went back) is, and stores them; vLLM's order of the others is kept."""
+    sched = Recording()
+    store_planning.plan_stores_for_candidates(sched)
+    reqs = {r: Req(r, 8, num_tokens=8) for r in ("r0", "r1", "r2", "r3")}
+    for req in reqs.values():
+        sched.on_new_request(req)
+
+    def step(running: list[str], finished: list[str]) -> None:
+        for req_id in finished:
+            reqs[req_id].status = RequestStatus.FINISHED
+        scheduled = {r: 8 if reqs[r].num_computed_tokens == 0 else 1 for r in running}
+        sched._build_store_jobs(
+            SimpleNamespace(num_scheduled_tokens=scheduled, finished_req_ids=finished)
+        )
+        for req_id in running:
+            reqs[req_id].num_computed_tokens += scheduled[req_id]
+        for req_id in finished:
+            del sched._req_status[req_id]
+
+    step(["r0", "r1", "r2", "r3"], [])  # prefill: every prompt stored
+    step(["r0", "r1", "r2", "r3"], [])  # decode: all settled
+    sched.get_num_new_matched_tokens(reqs["r1"], 0)  # r1's index goes back
+    stored = len(sched.stored)
+    step(["r0"], ["r3", "r1", "r2"])
+    assert sched.seen_finished[-1] == ["r1"], "a settled request was planned at its end"
+    assert sched.stored[stored:] == [("r1", 0, 2)], "r1's chunks are stored as it ends"

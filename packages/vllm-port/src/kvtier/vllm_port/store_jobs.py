@@ -50,7 +50,7 @@ import inspect
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from itertools import chain
 from typing import Any
 
@@ -175,7 +175,7 @@ class Reduced:
     __slots__ = ("_output", "finished_req_ids", "num_scheduled_tokens")
 
     def __init__(
-        self, output: Any, scheduled: dict[str, int], finished: set[str] | None = None
+        self, output: Any, scheduled: dict[str, int], finished: Collection[str] | None = None
     ) -> None:
         self._output = output
         self.num_scheduled_tokens = scheduled

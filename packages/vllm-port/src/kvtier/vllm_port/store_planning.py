@@ -26,9 +26,11 @@ GPU that cost is paid on every step.
   and flags its ``yield_req_data`` gives (whether a new request's block ids are its
   whole table is asked of it once), with ``update_offload_keys`` called only when its
   slice of block hashes is not empty; a request whose whole prompt is stored (where
-  only prompts are offloaded) is not keyed while it decodes without a new block, since
-  nothing reads its keys until vLLM's lookup, allocation or ``request_finished``, each
-  of which adds the keys it lacks first. This is used only without sliding-window
+  only prompts are offloaded) is not keyed while it decodes (its new blocks are still
+  recorded), since nothing reads its keys until vLLM's lookup, allocation or
+  ``request_finished``, each of which adds the keys it lacks first. Such a request
+  that finishes is not handed to the store planning either: vLLM's would store
+  nothing for it and leave its state as it is. This is used only without sliding-window
   groups, where vLLM 0.32's and 0.33's loops are the same; with them vLLM's own runs.
 
 Where vLLM's scheduler lacks what these read, nothing changes. Under the candidate
@@ -221,11 +223,12 @@ def quiet_steps(scheduler: Any) -> bool:
 def update_keys_when_new(scheduler: Any, settled: set[str] | None = None) -> None:
     """vLLM's ``_update_req_states`` for a model without sliding-window groups, with
     ``update_offload_keys`` called only where a chunk's last block hash is new, and
-    not at all for a running request of ``settled`` that got no new block (see
+    not at all for a running request of ``settled`` (see
     :func:`plan_stores_for_candidates`: its prompt is stored, and nothing plans its
     stores or reads its keys until it leaves the set or finishes; every method that
     takes it out of the set, and vLLM's ``request_finished``, adds the keys it lacks
-    first, all of them in one call)."""
+    first, all of them in one call). Its new blocks are recorded as vLLM records
+    them."""
     new_is_full = _new_requests_full_table(sys.modules[type(scheduler).__module__].yield_req_data)
     groups = scheduler.config.kv_group_configs
     group_ids = tuple(g.group_idx for g in groups)
@@ -233,14 +236,17 @@ def update_keys_when_new(scheduler: Any, settled: set[str] | None = None) -> Non
     single = hashes_per_chunk[0] if len(hashes_per_chunk) == 1 else None
     statuses: dict[str, Any] = scheduler._req_status
 
-    def one(req_id: str, new_blocks: Any, full_table: bool, allocated: set[int]) -> None:
+    def one(
+        req_id: str, new_blocks: Any, full_table: bool, allocated: set[int], keyed: bool = True
+    ) -> None:
         status = statuses[req_id]
-        # vLLM's reads the hashes from index hashes_per_chunk * (keys + 1) - 1 on.
-        hashes = len(status.req.block_hashes)
-        for per_chunk, group in zip(hashes_per_chunk, status.group_states):
-            if hashes >= per_chunk * (len(group.offload_keys) + 1):
-                status.update_offload_keys()
-                break
+        if keyed:
+            # vLLM's reads the hashes from index hashes_per_chunk * (keys + 1) - 1 on.
+            hashes = len(status.req.block_hashes)
+            for per_chunk, group in zip(hashes_per_chunk, status.group_states):
+                if hashes >= per_chunk * (len(group.offload_keys) + 1):
+                    status.update_offload_keys()
+                    break
         if full_table:  # the request's whole block table follows
             for group in status.group_states:
                 group.block_ids.clear()
@@ -263,7 +269,9 @@ def update_keys_when_new(scheduler: Any, settled: set[str] | None = None) -> Non
         skip = settled if not getattr(block_state, "boundary_state_offloads", None) else None
         for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
             if new_blocks or resumed:
-                one(req_id, new_blocks, req_id in resumed, allocated)
+                full = req_id in resumed
+                # (A settled request's blocks are recorded, its keys left for later.)
+                one(req_id, new_blocks, full, allocated, full or not skip or req_id not in skip)
                 continue
             # A running request with no new block (most of them, most steps).
             if skip and req_id in skip:
@@ -394,6 +402,10 @@ def plan_stores_for_candidates(scheduler: Any, settled: set[str] | None = None) 
         scheduled = scheduler_output.num_scheduled_tokens
         if failed or not scheduled:
             return plan(scheduler_output)
+        finished = scheduler_output.finished_req_ids
+        # Finished requests settled before this step: their whole prompt is stored, so
+        # vLLM's planning stores nothing for them and leaves their index where it is.
+        done = settled.intersection(finished) if settled and finished else None
         try:
             keep = candidates(scheduled)
         except Exception:  # never expected; vLLM's own planning is always right
@@ -404,11 +416,16 @@ def plan_stores_for_candidates(scheduler: Any, settled: set[str] | None = None) 
                 exc_info=True,
             )
             return plan(scheduler_output)
-        if settled and scheduler_output.finished_req_ids:
-            settled.difference_update(scheduler_output.finished_req_ids)
+        if settled and finished:
+            settled.difference_update(finished)
+        if done:
+            rest = [req_id for req_id in finished if req_id not in done]  # (vLLM's order)
+            if not keep and not rest:
+                return {}
+            return plan(store_jobs.Reduced(scheduler_output, keep, rest))
         if len(keep) == len(scheduled):
             return plan(scheduler_output)
-        if not keep and not scheduler_output.finished_req_ids:
+        if not keep and not finished:
             return {}  # what vLLM's returns for no request
         return plan(store_jobs.Reduced(scheduler_output, keep))
 
