@@ -209,6 +209,27 @@ def test_reset_discards_what_a_request_noted_before_it(model: Path) -> None:
     mgr.shutdown()
 
 
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "unplaced"])
+def test_a_finished_request_is_ordered_by_its_keys_places(model: Path, placed: bool) -> None:
+    """A request's keys reach the eviction order at its end head first, by their place
+    in the prompt where vLLM's context knows it, whatever order they were stored in;
+    where it knows none, in the order they were noted."""
+    mgr = manager(model, 4, "lru", events=False)
+    ctx = base.ReqContext(req_id="r")
+    k1, k2, k3 = keys([1, 2, 3])
+    if placed:
+        for place, k in enumerate((k1, k2, k3)):
+            ctx.set_offload_key_position(k, 32 * (place + 1))
+    for k in (k3, k1, k2):  # stored out of prompt order (a backfill)
+        assert mgr.prepare_store([k], ctx) is not None
+        mgr.complete_store([k], ctx)
+    mgr.on_request_finished(ctx)
+    evicted = mgr.core.pool.evict(3)  # (in the policy's order)
+    # The tail first, the head last; unplaced: the last noted is the tail.
+    assert evicted == ([k3, k2, k1] if placed else [k2, k1, k3])
+    mgr.shutdown()
+
+
 def test_a_key_a_request_stored_and_read_back_is_not_its_reuse(model: Path) -> None:
     # A request that loads back a key it stored (a cascade between tiers) did not reuse
     # it; a key another request stored, which it loads, it did.

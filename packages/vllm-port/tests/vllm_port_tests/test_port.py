@@ -116,6 +116,8 @@ def test_request_state_is_kept_on_a_context_without_vllms_store() -> None:
     assert chosen.request_state(ctx, Mark) is None
     assert chosen.set_request_state(ctx, Mark(3))
     assert chosen.request_state(ctx, Mark) == Mark(3)
+    # (Kept on the context by kvtier, not by vLLM: the one-call form says not kept.)
+    assert chosen.kept_request_state(ctx, Mark) == (False, None)
     assert chosen.key_positions(ctx, ["k"]) is None
     assert not chosen.set_request_state(object(), Mark(1))  # no attributes: nothing kept
 
@@ -131,6 +133,10 @@ def test_key_positions_are_what_vllms_context_answers() -> None:
     assert want == [96, None, 32, 64]
     assert interface.positions_table(type(ctx)), "vLLM's context read directly"
     assert chosen.key_positions(ctx, keys) == want
+    # vLLM's context keeps per-request state: the one-call form reads it.
+    assert chosen.kept_request_state(ctx, dict) == (True, None)
+    assert chosen.set_request_state(ctx, {"n": 1})
+    assert chosen.kept_request_state(ctx, dict) == (True, {"n": 1})
 
     class Other(base.ReqContext):  # a context that places keys its own way
         def get_offload_key_position(self, key: Any) -> int | None:

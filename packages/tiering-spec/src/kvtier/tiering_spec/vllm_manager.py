@@ -269,9 +269,9 @@ class KvtierOffloadingManager(OffloadingManager):
         (no request state: the connector calls touch itself) or once it finished. A
         record begun before :meth:`reset_cache` is dropped: the keys it says the request
         stored are gone, and reading them again once stored anew is a reuse."""
-        if not compat.PORT.keeps_request_state(req_context):
+        kept, state = compat.PORT.kept_request_state(req_context, _RequestReuse)
+        if not kept:
             return None
-        state = compat.PORT.request_state(req_context, _RequestReuse)
         if state is None or (state.generation != self._resets and not state.finished):
             state = _RequestReuse(self._resets)
             compat.PORT.set_request_state(req_context, state)
@@ -281,11 +281,11 @@ class KvtierOffloadingManager(OffloadingManager):
         """Order every key the request stored or reused so that its prefix's tail goes
         first and its head last (as vLLM 0.32 does); only reused keys count as a use."""
         self._stats_settled = False
-        self.core.forget_ahead(req_context.req_id)
+        core = self.core
+        if core.secondary_tiers:  # (only they promote ahead)
+            core.forget_ahead(req_context.req_id)
         self._metrics.emit_next()
-        if not compat.PORT.keeps_request_state(req_context):
-            return
-        state = compat.PORT.request_state(req_context, _RequestReuse)
+        _, state = compat.PORT.kept_request_state(req_context, _RequestReuse)
         if state is None or state.finished:
             return
         state.finished = True
@@ -293,10 +293,11 @@ class KvtierOffloadingManager(OffloadingManager):
             return  # all it noted was before a reset_cache
         keys = list(state.keys)
         ends = compat.PORT.key_positions(req_context, keys)
-        if ends is not None and None not in ends:  # each key's place in the prompt
+        # Each key's place in the prompt (most requests noted them in that order).
+        if ends is not None and None not in ends and ends != sorted(ends):
             keys = [k for _, k in sorted(zip(ends, keys), key=_FIRST)]
         if keys:
-            self.core.finish_request(keys, state.reused)
+            core.finish_request(keys, state.reused)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._stats_settled = False

@@ -199,6 +199,14 @@ class VllmPort(abc.ABC):
     def keeps_request_state(self, req_context: Any) -> bool:
         return getattr(req_context, "get_state", None) is not None
 
+    def kept_request_state(self, req_context: Any, kind: type[_T]) -> tuple[bool, _T | None]:
+        """(:meth:`keeps_request_state`, the object of type ``kind`` vLLM keeps for the
+        request or None) in one call: (False, None) for a context without vLLM's store."""
+        get_state = getattr(req_context, "get_state", None)
+        if get_state is None:
+            return False, None
+        return True, get_state(kind)
+
     def request_state(self, req_context: Any, kind: type[_T]) -> _T | None:
         """The object of type ``kind`` kept for the request, or None."""
         get_state = getattr(req_context, "get_state", None)
