@@ -243,7 +243,7 @@ class VllmPort(abc.ABC):
 
     def key_positions(self, req_context: Any, keys: list[Any]) -> list[Any] | None:
         """Each key's place in the request's prompt, where the scheduler tells it."""
-        if positions_table(type(req_context)):
+        if positions_table(type(req_context)):  # type: ignore[arg-type]
             # (vLLM's method reads this dict: one lookup a key, no call.)
             return list(map(req_context._offload_key_positions.get, keys))
         position = getattr(req_context, "get_offload_key_position", None)
