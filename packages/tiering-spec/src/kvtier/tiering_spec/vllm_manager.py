@@ -237,20 +237,19 @@ class KvtierOffloadingManager(OffloadingManager):
             logger.warning(msg, *args)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        # vLLM asks once per loaded key of every request it admits with a hit.
-        source = self.core.load_source(key)
-        hit_source = self._hit_sources.get(source)
-        if hit_source is None:
-            hit_source = self._hit_sources[source] = compat.PORT.cache_hit_source(source)
-        return hit_source
+        # vLLM asks once per loaded key of a hit split over several tiers (kvtier's
+        # port asks sole_load_source for a hit served by one).
+        return self._hit_source(self.core.load_source(key))
 
     def sole_load_source(self, keys: list[OffloadKey], req_context: ReqContext) -> Any:
         """What :meth:`get_load_source` answers for every key of ``keys``, where it answers
         the same for all; else None. One call for a hit's keys (see
         :mod:`kvtier.vllm_port.lookups`)."""
         source = self.core.sole_load_source(keys)
-        if source is None:
-            return None
+        return None if source is None else self._hit_source(source)
+
+    def _hit_source(self, source: str) -> Any:
+        """vLLM's hit source for the tier named ``source`` (made once per tier)."""
         hit_source = self._hit_sources.get(source)
         if hit_source is None:
             hit_source = self._hit_sources[source] = compat.PORT.cache_hit_source(source)
