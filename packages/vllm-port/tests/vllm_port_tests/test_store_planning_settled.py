@@ -289,6 +289,15 @@ def test_settled_requests_are_not_keyed_until_they_leave_the_set() -> None:
     step({})
     assert (keys("a"), keys("b")) == (5, 5), "the chunks it lacks, together"
     assert sched._req_status["a"].group_states[0].block_ids == [5]
+    # A settled request's new blocks with the null block among them (as vLLM's walk
+    # records them: in its table, never among the step's allocated blocks), beside
+    # a request that is not settled.
+    settled.add("a")
+    sched._current_batch_allocated_block_ids = set()
+    step({"a": ([0, 7],), "b": ([0, 8],)})
+    assert sched._current_batch_allocated_block_ids == {7, 8}
+    assert sched._req_status["a"].group_states[0].block_ids == [5, 0, 7]
+    assert sched._req_status["b"].group_states[0].block_ids == [6, 0, 8]
 
 
 def test_finished_requests_with_their_prompt_stored_are_not_planned() -> None:

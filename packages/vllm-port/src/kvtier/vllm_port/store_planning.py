@@ -234,6 +234,7 @@ def update_keys_when_new(scheduler: Any, settled: set[str] | None = None) -> Non
     group_ids = tuple(g.group_idx for g in groups)
     hashes_per_chunk = tuple(g.hashes_per_chunk for g in groups)
     single = hashes_per_chunk[0] if len(hashes_per_chunk) == 1 else None
+    group_idx = group_ids[0]
     statuses: dict[str, Any] = scheduler._req_status
 
     def one(
@@ -267,11 +268,25 @@ def update_keys_when_new(scheduler: Any, settled: set[str] | None = None) -> Non
         # (A step that hands boundary states over, hybrid models', plans with the keys.)
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         skip = settled if not getattr(block_state, "boundary_state_offloads", None) else None
+        null_added = False  # a settled request's new blocks included the null block
         for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
             if new_blocks or resumed:
                 full = req_id in resumed
-                # (A settled request's blocks are recorded, its keys left for later.)
-                one(req_id, new_blocks, full, allocated, full or not skip or req_id not in skip)
+                if not full and skip and req_id in skip:
+                    # A settled request's blocks are recorded, its keys left for later.
+                    if single is None or not new_blocks:
+                        one(req_id, new_blocks, False, allocated, False)
+                        continue
+                    # One KV cache group (a decode step's block boundary: most running
+                    # requests at once): what one() does, inline, the step's allocated
+                    # ids added together, the null block taken out after the loop.
+                    blocks = new_blocks[group_idx]
+                    statuses[req_id].group_states[0].block_ids.extend(blocks)
+                    if not null_added and 0 in blocks and 0 not in allocated:
+                        null_added = True
+                    allocated.update(blocks)
+                    continue
+                one(req_id, new_blocks, full, allocated)
                 continue
             # A running request with no new block (most of them, most steps).
             if skip and req_id in skip:
@@ -286,6 +301,8 @@ def update_keys_when_new(scheduler: Any, settled: set[str] | None = None) -> Non
                 if hashes >= per_chunk * (len(group.offload_keys) + 1):
                     status.update_offload_keys()
                     break
+        if null_added:
+            allocated.discard(0)
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
             allocated.add(copy.dst_block_id)
 
