@@ -418,6 +418,75 @@ def test_frecency_insert_each_is_one_insert_per_key_in_turn() -> None:
     assert each._halvings > 0 and each.tau > each.capacity, "tunings must have run"
 
 
+def test_frecency_insert_each_of_new_keys_together_is_one_insert_per_key() -> None:
+    """Where ``insert_each`` adds new keys' entries together (no free row, no walk,
+    no tuning before the last key), on a policy large enough to keep spare queues:
+    the same state as an ``insert`` of each key in turn, over evictions, reuses,
+    ghosts stored again, walks and halvings; both ways are taken."""
+    import random
+
+    rng = random.Random(11)
+    capacity = FrecencyPolicy.INCREMENTAL_KEYS
+    together: list[int] = []
+
+    class Counted(FrecencyPolicy):
+        def _add_new_each(self, keys: Sequence[Hashable]) -> None:
+            together.append(len(keys))
+            super()._add_new_each(keys)
+
+    each, one_by_one = Counted(capacity), FrecencyPolicy(capacity)
+    cached: set[int] = set()
+    gone: list[int] = []
+    next_key = 0
+    for step in range(2500):
+        roll = rng.random()
+        if roll < 0.5:
+            keys = list(range(next_key, next_key + rng.randint(1, 24)))
+            next_key = keys[-1] + 1
+            if gone and rng.random() < 0.2:
+                keys.insert(rng.randrange(len(keys)), gone.pop(rng.randrange(len(gone))))
+            over = len(cached) + len(keys) - capacity
+            if over > 0:
+                evicted = [p.evict(over, lambda k: True) for p in (each, one_by_one)]
+                assert evicted[0] == evicted[1], step
+                cached.difference_update(evicted[0] or ())
+                gone += evicted[0] or ()
+            for policy in (each, one_by_one):
+                policy._lead = -1  # LRU would have hit more: each tuning halves
+            each.insert_each(keys)
+            for key in keys:
+                one_by_one.insert([key])
+            cached.update(keys)
+        elif cached:
+            keys = rng.sample(sorted(cached), min(len(cached), rng.randint(1, 8)))
+            reused = {k for k in keys if rng.random() < 0.5}
+            for policy in (each, one_by_one):
+                policy.touch_prefix(keys, reused)
+        if step % 50 == 0:
+            assert _frecency_state(each) == _frecency_state(one_by_one), step
+            assert each._spare_items == one_by_one._spare_items, step
+            assert list(each._spare_fresh) == list(one_by_one._spare_fresh), step
+    assert _frecency_state(each) == _frecency_state(one_by_one)
+    # New keys up to exactly the next tuning: the last one's insert tunes.
+    for policy in (each, one_by_one):
+        over = len(cached) + each._next_tune - each.stored - capacity
+        if over > 0:
+            policy.evict(over, lambda k: True)
+    while each._walk < each._walk_end:  # (a walk going on takes them one at a time)
+        for policy in (each, one_by_one):
+            policy.touch_prefix([next(iter(cached))], set())
+            policy._walk_rows(capacity)
+    keys = list(range(next_key, next_key + each._next_tune - each.stored))
+    tunings = each._halvings
+    each.insert_each(keys)
+    for key in keys:
+        one_by_one.insert([key])
+    assert each._halvings == tunings + 1
+    assert _frecency_state(each) == _frecency_state(one_by_one)
+    assert each._spare_items is not None and each._halvings > 1, "halvings, walks"
+    assert len(together) > 100, "new keys must be added together"
+
+
 @pytest.mark.parametrize(
     "path",
     [f"{__name__}:EvictNewestFirst", f"{__name__}.EvictNewestFirst"],
