@@ -205,11 +205,12 @@ class TierCapacity:
         if self._closed:
             return [False] * len(items)
         index, writing, unlinking = self._index, self._writing, self._unlinking
+        table = index.table
         started: list[bool] = []
         wanted: list[tuple[bytes, bytes, int]] = []
         for item in items:
             digest = item[1]
-            if digest in index or digest in writing or digest in unlinking:
+            if digest in table or digest in writing or digest in unlinking:
                 started.append(False)
                 continue
             writing.add(digest)  # (a digest twice in the job starts once, as item by item)

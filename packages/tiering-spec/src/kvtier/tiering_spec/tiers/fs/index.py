@@ -5,7 +5,7 @@ property tests drive it alone."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import NamedTuple, cast
 
 from kvtier.blockpool.policies import finish_request, make_policy
@@ -39,6 +39,9 @@ class FsIndex:
         # collector stops tracking, so a full collection does not visit every file of
         # a large tier (an object, or a named tuple, it would visit each time).
         self._entries: dict[bytes, tuple[int, bytes | None]] = {}
+        # The same dict, to read membership from without a call (``digest in
+        # index.table``: no Python frame, where ``digest in index`` makes one).
+        self.table: Mapping[bytes, tuple[int, bytes | None]] = self._entries
         self._policy = make_policy(policy, max(1, capacity_entries))
         self._insert_each = getattr(self._policy, "insert_each", None)
         # Raised whenever a digest is added or removed: equal counts, the same digests.

@@ -283,7 +283,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         index = self._index
         added = 0
         for digest in digests:
-            if digest in index or digest in self._writing or digest in self._unlinking:
+            if digest in index.table or digest in self._writing or digest in self._unlinking:
                 continue
             index.add(digest, None)
             added += 1
@@ -359,10 +359,17 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
         """Whether the tier holds ``digest``, from the in-memory index alone (files other
         engines write are added to it in the background)."""
         self.stats.queries += 1
-        if digest in self._index:
+        if digest in self._index.table:
             self.stats.hits += 1
             return True
         return False
+
+    def has(self, digest: bytes) -> bool:
+        """Indexed or being written (no I/O, no counters)."""
+        return digest in self._index.table or digest in self._writing
+
+    def indexed(self, digest: bytes) -> bool:
+        return digest in self._index.table
 
     @property
     def lookup_version(self) -> object | None:
@@ -397,7 +404,7 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
 
     def submit_read(self, key: bytes, digest: bytes, block_id: int) -> bool:
         """Read ``key``'s files into host block ``block_id``. False if not submitted."""
-        if digest not in self._index or self._closed:
+        if digest not in self._index.table or self._closed:
             return False
         views = self._views_now()
         if views is None:
