@@ -1413,3 +1413,20 @@ def test_digest_memo_names_keys_within_its_size_dropping_little_at_a_time(size: 
         assert len(memo) <= max(2, size)
         assert len(memo) >= held - 2, "names dropped all at once"
         held = len(memo)
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 64])
+def test_digest_memo_names_a_run_of_keys_as_one_at_a_time(size: int) -> None:
+    """``get_all`` gives each key's digest and leaves the memo as ``get`` of each in
+    turn does (the same names held, in the same generations), over runs that turn
+    the generations over and keys that come back."""
+    rng = random.Random(size)
+    together, each = DigestMemo(size), DigestMemo(size)
+    keys = [bytes([i % 256, i // 256]) for i in range(5 * size + 9)]
+    for _ in range(20 * size + 100):
+        run = [rng.choice(keys[: rng.choice((3, len(keys)))]) for _ in range(rng.randint(0, 9))]
+        assert together.get_all(run) == [key_digest(key) for key in run]
+        for key in run:
+            each.get(key)
+        assert (together._new, together._old) == (each._new, each._old)
+        assert list(together._new) == list(each._new)

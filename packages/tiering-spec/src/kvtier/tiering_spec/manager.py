@@ -100,14 +100,25 @@ class DigestMemo:
         digest = old.pop(key, None)
         if digest is None:
             digest = key_digest(key)
-            for _ in range(min(2, len(old))):
+            if old:
                 old.popitem()
+                if old:
+                    old.popitem()
         if len(new) >= self._half:
             old.clear()  # (empty by now: each name computed dropped two of it)
             self._old, self._new = new, {}
             new = self._new
         new[key] = digest
         return digest
+
+    def get_all(self, keys: Sequence[bytes]) -> list[bytes]:
+        """:meth:`get` of each of ``keys`` in turn, in one call."""
+        out: list[bytes] = []
+        miss = self._miss
+        for key in keys:
+            digest = self._new.get(key)  # (the newer generation may turn over in a miss)
+            out.append(digest if digest is not None else miss(key))
+        return out
 
 
 class Lookup(enum.Enum):
@@ -327,6 +338,9 @@ class TierManager(TierPromotions, TierJobs, TierLookupState):
 
     def _digest(self, key: bytes) -> bytes:
         return self._digests.get(key)
+
+    def _digest_all(self, keys: Sequence[bytes]) -> list[bytes]:
+        return self._digests.get_all(keys)
 
     def load_source(self, key: bytes) -> str:
         """``"host"``, or the fs tier's name when the key was promoted from it."""

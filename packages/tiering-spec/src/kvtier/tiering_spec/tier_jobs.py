@@ -39,6 +39,9 @@ class TierJobs:
     def _digest(self, key: bytes) -> bytes:
         raise NotImplementedError
 
+    def _digest_all(self, keys: Sequence[bytes]) -> list[bytes]:
+        raise NotImplementedError
+
     def _leave_room(self, key: bytes) -> None:
         raise NotImplementedError
 
@@ -48,8 +51,9 @@ class TierJobs:
         pool = self.pool
         self._stores += 1
         store = f"store-{self._stores}"
-        contains, digest_of = pool.contains, self._digest
-        present = [(key, digest_of(key)) for key in keys if contains(key)]
+        contains = pool.contains
+        cached = [key for key in keys if contains(key)]
+        present = list(zip(cached, self._digest_all(cached)))
         for idx, tier in enumerate(self.secondary_tiers):
             has = tier.has
             wanted = [(key, digest) for key, digest in present if not has(digest)]
