@@ -222,12 +222,13 @@ class FrecencyPolicy:
             spare_items.append(spare)
         return len(self._items) - 1
 
-    def _add_rows(self, added: list[tuple[float, int, Key]], clock: float) -> None:
-        """The entries of new keys queued as ``added`` (their items, in order), in the
-        next rows: what :meth:`_new` does for each with no free row, together."""
+    def _add_rows(self, added: list[tuple[float, int, Key]], clocks: list[float]) -> None:
+        """The entries of new keys queued as ``added`` (their items, in order), last
+        used at ``clocks`` (one each), in the next rows: what :meth:`_new` does for each
+        with no free row, together."""
         n = len(added)
         self._uses += [0] * n
-        self._clocks += [clock] * n
+        self._clocks += clocks
         self._stored_at += [-1] * n
         self._restored += [False] * n
         self._orders += [item[1] for item in added]
@@ -367,7 +368,7 @@ class FrecencyPolicy:
                     added.append(item)
                 continue
             if row >= base:  # a key given twice, added above: its entry must exist now
-                self._add_rows(added, clock)
+                self._add_rows(added, [clock] * len(added))
                 base, added = len(items), []
             if ghosts.pop(key, NO_KEY) is not NO_KEY and stored_at[row] >= 0:
                 self._restored[row] = True  # stored again: its next use was a miss
@@ -376,7 +377,7 @@ class FrecencyPolicy:
             if self._spare_items is not None:
                 self._spare(row, key)
         if added:
-            self._add_rows(added, clock)
+            self._add_rows(added, [clock] * len(added))
         self._order = order
         self.stored += len(keys)
         self.clock += len(keys) / self.tau
@@ -450,22 +451,10 @@ class FrecencyPolicy:
             added.append((scale * clock, order, key))
             seen[key] = row
             clock = clock + 1 / tau
-        n = len(keys)
-        self._uses += [0] * n
-        self._clocks += at
-        self._stored_at += [-1] * n
-        self._restored += [False] * n
-        self._orders += range(self._order + 1, order + 1)
-        self._items += added
-        self._fresh += added
-        spare_items = self._spare_items
-        if spare_items is not None:  # (no free row: none was walked)
-            spares = [(2.0 * item[0], item[1], item[2]) for item in added]
-            self._spare_fresh += spares
-            spare_items += spares
+        self._add_rows(added, at)
         self._order = order
         self.clock = clock
-        self.stored += n
+        self.stored += len(keys)
 
     def touch(self, keys: Sequence[Key]) -> None:
         """``keys`` were used, head first: each counts one use. vLLM before 0.32 calls
