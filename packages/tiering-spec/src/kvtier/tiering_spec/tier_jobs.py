@@ -36,9 +36,6 @@ class TierJobs:
     _fresh: OrderedDict[bytes, int]
     _step: int
 
-    def _digest(self, key: bytes) -> bytes:
-        raise NotImplementedError
-
     def _digest_all(self, keys: Sequence[bytes]) -> list[bytes]:
         raise NotImplementedError
 

@@ -268,7 +268,9 @@ def update_keys_when_new(scheduler: Any, settled: set[str] | None = None) -> Non
         # (A step that hands boundary states over, hybrid models', plans with the keys.)
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         skip = settled if not getattr(block_state, "boundary_state_offloads", None) else None
-        null_added = False  # a settled request's new blocks included the null block
+        # (The null block is never among the allocated ids: one a settled request's
+        # new blocks add is taken out after the loop.)
+        null_held = 0 in allocated
         for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
             if new_blocks or resumed:
                 full = req_id in resumed
@@ -279,11 +281,9 @@ def update_keys_when_new(scheduler: Any, settled: set[str] | None = None) -> Non
                         continue
                     # One KV cache group (a decode step's block boundary: most running
                     # requests at once): what one() does, inline, the step's allocated
-                    # ids added together, the null block taken out after the loop.
+                    # ids added together.
                     blocks = new_blocks[group_idx]
                     statuses[req_id].group_states[0].block_ids.extend(blocks)
-                    if not null_added and 0 in blocks and 0 not in allocated:
-                        null_added = True
                     allocated.update(blocks)
                     continue
                 one(req_id, new_blocks, full, allocated)
@@ -301,7 +301,7 @@ def update_keys_when_new(scheduler: Any, settled: set[str] | None = None) -> Non
                 if hashes >= per_chunk * (len(group.offload_keys) + 1):
                     status.update_offload_keys()
                     break
-        if null_added:
+        if not null_held:
             allocated.discard(0)
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
             allocated.add(copy.dst_block_id)
