@@ -286,6 +286,11 @@ class PoolHolds:
         """How many holds of ``kind`` ``key`` has."""
         return self._holds[kind].get(key, 0)
 
+    def holds_each(self, keys: Sequence[Hashable], kind: Hold) -> list[int]:
+        """:meth:`holds` of each of ``keys``, in order (one call for a batch)."""
+        table = self._holds[kind]
+        return [table.get(key, 0) for key in keys]
+
     def held(self, kind: Hold) -> int:
         """Holds of ``kind`` on all keys and blocks together (one held twice counts
         twice)."""

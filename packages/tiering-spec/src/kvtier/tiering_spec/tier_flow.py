@@ -20,6 +20,7 @@ The meanings are those of vLLM's ``TieringOffloadingMetrics``:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 EMA_ALPHA = 0.15
@@ -63,6 +64,25 @@ class TierFlow:
                 self._warmup = []
             return
         self.store_latency_ema = EMA_ALPHA * per_mib + (1 - EMA_ALPHA) * self.store_latency_ema
+
+    def write_each_completed(self, writes: Sequence[tuple[float, int]]) -> None:
+        """:meth:`write_completed` of each (seconds, nbytes) of ``writes``, in order, in
+        one call (a poll's writes): the same EMA as one call a write."""
+        ema, done, warmup = self.store_latency_ema, self.writes_completed, self._warmup
+        keep = 1 - EMA_ALPHA
+        for seconds, nbytes in writes:
+            if nbytes <= 0:
+                continue
+            per_mib = seconds / (nbytes / MIB)
+            done += 1
+            if done <= EMA_WARMUP:
+                warmup.append(per_mib)
+                if done == EMA_WARMUP:
+                    ema = sum(warmup) / EMA_WARMUP
+                    warmup = []
+                continue
+            ema = EMA_ALPHA * per_mib + keep * ema
+        self.store_latency_ema, self.writes_completed, self._warmup = ema, done, warmup
 
     def looked_up(self, sync: float, since: float | None, now: float) -> None:
         """A lookup answered hit or miss after ``sync`` seconds; ``since``: when the same

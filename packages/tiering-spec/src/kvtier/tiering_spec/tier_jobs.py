@@ -160,6 +160,9 @@ class TierJobs:
         counted into ``written``, completed writes into the tier's ``flow``. Promotions
         that landed are applied together, in their order, before any other result."""
         pool = self.pool
+        if results and all(res.op == "write" and res.ok for res in results):
+            self._writes_applied(results, written, flow)  # (most polls: writes alone)
+            return
         landed: list[bytes] = []  # promotions read back, not applied yet
         for res in results:
             op, key = res.op, res.key
@@ -206,6 +209,20 @@ class TierJobs:
                 self._load_sources.pop(key, None)
         if landed:
             self._landed(landed)
+
+    def _writes_applied(
+        self, results: list[TierResult], written: dict[bytes, int], flow: TierFlow
+    ) -> None:
+        """:meth:`_apply` of writes that all succeeded, in one pass: the same holds to
+        end and the same EMA as one result at a time (nothing else moves the write holds
+        while a poll's results are applied)."""
+        keys = [res.key for res in results]
+        get = written.get
+        for key, held in zip(keys, self.pool.holds_each(keys, Hold.TIER_WRITE)):
+            ended = get(key, 0)
+            if held > ended:
+                written[key] = ended + 1
+        flow.write_each_completed([(res.seconds, res.nbytes) for res in results])
 
     def _landed(self, keys: list[bytes]) -> None:
         """Promotions of ``keys`` (in the order they landed, their blocks read) are

@@ -119,7 +119,7 @@ class JobBook:
             if job is not None:
                 res.job = job.id
                 job.left -= 1
-                if job.finished:
+                if not job.left:  # (finished)
                     del jobs[job.id]
 
 
