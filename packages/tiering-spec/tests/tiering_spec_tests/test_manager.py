@@ -901,14 +901,15 @@ def test_a_request_waits_for_room_other_requests_promotions_take(make_tier) -> N
 
 def test_a_read_the_tier_refuses_is_a_miss_not_a_wait(make_tier) -> None:
     mgr, tier = a_in_the_fs_tier_only(make_tier)
-    tier.submit_read = lambda key, digest, block_id: False  # e.g. its region unmapped
+    views = tier._region_views
+    tier._views, tier._region_views = None, lambda: None  # its region unmapped
     assert mgr.lookup(b"a", "r") is Lookup.HIT_PENDING
     mgr.end_step()
     assert mgr.promoting_blocks == 0 and not mgr.pool.is_storing(b"a"), "block given back"
     for _ in range(FRESH_STEPS - 1):
         assert mgr.lookup(b"a", "r") is Lookup.MISS, "a refused read must not wait forever"
         mgr.end_step()
-    del tier.submit_read  # the tier reads again
+    tier._region_views = views  # the tier reads again
     mgr.end_step()
     assert mgr.lookup(b"a", "r") is Lookup.HIT_PENDING, "tried again after FRESH_STEPS"
 

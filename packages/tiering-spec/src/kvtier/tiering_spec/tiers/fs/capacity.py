@@ -79,6 +79,8 @@ class TierCapacity:
 
         def _write_tasks(self, *args: Any) -> None: ...
 
+        def _submit_reads(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool]: ...
+
         def _views_now(self) -> Sequence[memoryview] | None: ...
 
         def _job_book(self) -> JobBook: ...
@@ -176,8 +178,13 @@ class TierCapacity:
 
     def submit(self, job: TierJob) -> list[bool]:
         """A job's writes reserve their room together and go to the write threads in
-        one task per thread (see :meth:`_submit_writes`); reads, and writes that do not
-        all fit, start item by item (``SecondaryTier.submit``)."""
+        one task per thread (see :meth:`_submit_writes`), and its reads go to the read
+        threads so (``_submit_reads``); writes that do not all fit start item by item
+        (``SecondaryTier.submit``)."""
+        if job.op == "read":
+            reads = self._submit_reads(job.items)
+            self._job_book().started(job, reads)
+            return reads
         started = None if job.op != "write" else self._submit_writes(job.items)
         if started is None:
             return super().submit(job)  # type: ignore[misc, no-any-return]
@@ -234,10 +241,7 @@ class TierCapacity:
             if reuse is not None:
                 self._reusing[digest] = reuse
         self._inflight += len(writes)
-        threads = max(1, min(self.cfg.n_write_threads, len(writes)))
-        per = -(-len(writes) // threads)
-        for start in range(0, len(writes), per):
-            self._io.put("write", self._write_tasks, writes[start : start + per], views)
+        self._io.put_shares("write", self._write_tasks, writes, views)
         return started
 
     def _writes_ended(self, digests: Sequence[bytes]) -> None:

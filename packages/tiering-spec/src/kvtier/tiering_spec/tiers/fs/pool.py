@@ -30,6 +30,7 @@ class IoThreads:
             "read": queue.SimpleQueue(),
             "write": queue.SimpleQueue(),
         }
+        self._counts = {"read": max(1, n_read), "write": max(1, n_write)}
         self._local = threading.local()
         self._tmp_counter = 0
         self._tmp_lock = threading.Lock()
@@ -57,6 +58,17 @@ class IoThreads:
     def put(self, kind: str, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a ``kind`` ("read" or "write") thread."""
         self._queues[kind].put((fn, args))
+
+    def put_shares(self, kind: str, fn: Callable[..., Any], items: list[Any], *args: Any) -> None:
+        """Run ``fn(share, *args)`` on ``kind`` threads for ``items`` cut in order into
+        one share per thread (fewer where there are fewer items): a job's blocks cost
+        one put per thread, not one a block."""
+        if not items:
+            return
+        threads = min(self._counts[kind], len(items))
+        per = -(-len(items) // threads)
+        for start in range(0, len(items), per):
+            self.put(kind, fn, items[start : start + per], *args)
 
     def stop(self, deadline: float, also: threading.Thread | None = None) -> list[str]:
         """Stop every thread once its queue is done, waiting for them (and ``also``)

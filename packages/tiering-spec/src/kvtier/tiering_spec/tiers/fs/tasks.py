@@ -117,6 +117,19 @@ class BlockFileTasks:
             except Exception:  # never expected: _write_task keeps its faults
                 self._finish("write", key, digest, block_id, TierFault.WRITE_FAILED, t0)
 
+    def _read_tasks(
+        self, reads: Sequence[tuple[bytes, bytes, int]], views: Sequence[memoryview]
+    ) -> None:
+        """``_read_task`` of each (key, digest, host block): the share of one job's
+        reads that one read thread takes (``_submit_reads``). Every item hands a result
+        to ``poll``, whatever the items before it met."""
+        for key, digest, block_id in reads:
+            t0 = time.perf_counter()
+            try:
+                self._read_task(key, digest, block_id, views)
+            except Exception:  # never expected: _read_task keeps its faults
+                self._finish("read", key, digest, block_id, TierFault.UNREADABLE, t0)
+
     def _finish(
         self, op: str, key: bytes, digest: bytes, block_id: int, fault: TierFault | None, t0: float
     ) -> None:

@@ -404,15 +404,35 @@ class FileSystemTier(TierCapacity, BlockFileTasks, SecondaryTier):
 
     def submit_read(self, key: bytes, digest: bytes, block_id: int) -> bool:
         """Read ``key``'s files into host block ``block_id``. False if not submitted."""
-        if digest not in self._index.table or self._closed:
-            return False
+        return self._submit_reads([(key, digest, block_id)])[0]
+
+    def _submit_reads(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool]:
+        """:meth:`submit_read` of each item (key, digest, host block), in order: whether
+        each started. The reads that start go to the read threads in one task per
+        thread (``_read_tasks``); their digests are used in turn, as one call a read
+        does (one ``touch``, the last read the newest)."""
+        if self._closed:
+            return [False] * len(items)
         views = self._views_now()
         if views is None:
-            return False
-        self._reading[digest] = self._reading.get(digest, 0) + 1
-        self._index.touch([digest])
-        self._submit("read", self._read_task, key, digest, block_id, views)
-        return True
+            return [False] * len(items)
+        table, reading = self._index.table, self._reading
+        started: list[bool] = []
+        reads: list[tuple[bytes, bytes, int]] = []
+        for item in items:
+            digest = item[1]
+            if digest not in table:
+                started.append(False)
+                continue
+            reading[digest] = reading.get(digest, 0) + 1
+            reads.append(item)
+            started.append(True)
+        if reads:
+            # (touch's first key ends up the newest: the reads' order, reversed)
+            self._index.touch([digest for _key, digest, _block in reversed(reads)])
+            self._inflight += len(reads)
+            self._io.put_shares("read", self._read_tasks, reads, views)
+        return started
 
     @property
     def has_news(self) -> bool:
