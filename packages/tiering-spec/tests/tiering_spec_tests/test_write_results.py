@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.blockpool import Hold, HostBlockPool
 from kvtier.tiering_spec.manager import TierManager
-from kvtier.tiering_spec.tier_flow import EMA_WARMUP, TierFlow
+from kvtier.tiering_spec.tier_flow import EMA_ALPHA, EMA_WARMUP, MIB, TierFlow
 from kvtier.tiering_spec.tiers.base import TierResult
 
 from .test_manager import CountingTier
@@ -20,10 +20,24 @@ def _flow_state(flow: TierFlow) -> tuple[object, ...]:
     return (flow.store_latency_ema, flow.writes_completed, list(flow._warmup))
 
 
+def _ema_of(writes: list[tuple[float, int]]) -> tuple[object, ...]:
+    """The flow's state after ``writes``, by the EMA's definition: seconds per MiB of
+    the writes of some bytes, the first ``EMA_WARMUP`` averaged, then each moving it by
+    ``EMA_ALPHA``; 0 until the warm-up ends."""
+    per = [seconds / (nbytes / MIB) for seconds, nbytes in writes if nbytes > 0]
+    if len(per) < EMA_WARMUP:
+        return (0.0, len(per), per)
+    ema = sum(per[:EMA_WARMUP]) / EMA_WARMUP
+    for value in per[EMA_WARMUP:]:
+        ema = EMA_ALPHA * value + (1 - EMA_ALPHA) * ema
+    return (ema, len(per), [])
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_each_write_completed_at_once_moves_the_ema_as_one_at_a_time(seed: int) -> None:
     rng = random.Random(seed)
     one, batched = TierFlow(), TierFlow()
+    everything: list[tuple[float, int]] = []
     for _ in range(40):
         # Runs across the warm-up's end, and writes of no bytes (not counted).
         writes = [
@@ -33,7 +47,8 @@ def test_each_write_completed_at_once_moves_the_ema_as_one_at_a_time(seed: int) 
         for seconds, nbytes in writes:
             one.write_completed(seconds, nbytes)
         batched.write_each_completed(writes)
-        assert _flow_state(batched) == _flow_state(one)
+        everything += writes
+        assert _flow_state(batched) == _flow_state(one) == _ema_of(everything)
     assert one.writes_completed > EMA_WARMUP and one.store_latency_ema > 0
 
 

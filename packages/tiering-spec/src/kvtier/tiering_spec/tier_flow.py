@@ -53,21 +53,11 @@ class TierFlow:
 
     def write_completed(self, seconds: float, nbytes: int) -> None:
         """A write of ``nbytes`` took ``seconds``: moves the EMA."""
-        if nbytes <= 0:
-            return
-        per_mib = seconds / (nbytes / MIB)
-        self.writes_completed += 1
-        if self.writes_completed <= EMA_WARMUP:
-            self._warmup.append(per_mib)
-            if self.writes_completed == EMA_WARMUP:
-                self.store_latency_ema = sum(self._warmup) / EMA_WARMUP
-                self._warmup = []
-            return
-        self.store_latency_ema = EMA_ALPHA * per_mib + (1 - EMA_ALPHA) * self.store_latency_ema
+        self.write_each_completed(((seconds, nbytes),))
 
     def write_each_completed(self, writes: Sequence[tuple[float, int]]) -> None:
         """:meth:`write_completed` of each (seconds, nbytes) of ``writes``, in order, in
-        one call (a poll's writes): the same EMA as one call a write."""
+        one call (a poll's writes). A write of no bytes moves nothing."""
         ema, done, warmup = self.store_latency_ema, self.writes_completed, self._warmup
         keep = 1 - EMA_ALPHA
         for seconds, nbytes in writes:
